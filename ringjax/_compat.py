@@ -1,0 +1,111 @@
+"""The few places where jax 0.10.x and 0.11.x differ, kept in one module."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+
+def axis_size_or_none(axis_name: str) -> int | None:
+    """Size of `axis_name` if it is bound in the current trace (e.g. inside shard_map)."""
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        return None
+
+
+def context_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (or the legacy `with mesh:`), if any."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    if get_mesh is not None:
+        try:
+            mesh = get_mesh()
+            if mesh is not None and not mesh.empty:
+                return mesh
+        except Exception:  # noqa: BLE001 - only an abstract mesh is set
+            pass
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is not None and not mesh.empty:
+        return mesh
+    try:  # legacy `with mesh:` sets only the physical mesh
+        from jax._src.mesh import thread_resources
+
+        physical = thread_resources.env.physical_mesh
+        if physical is not None and not physical.empty:
+            return physical
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes over which `x` varies inside shard_map (empty when not tracked)."""
+    try:
+        aval = jax.typeof(x)
+    except TypeError:
+        return frozenset()
+    mat = getattr(aval, "mat", None)  # jax >= 0.10
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def match_vma(x, *refs):
+    """Cast `x` to vary over every mesh axis that any of `refs` varies over.
+
+    Loop carries and cond branches must agree on this inside shard_map; fresh
+    constants (zeros, -inf) start out invariant.
+    """
+    axes = frozenset().union(*(varying_axes(r) for r in refs)) - varying_axes(x)
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pvary"):
+        return jax.lax.pvary(x, tuple(sorted(axes)))
+    return jax.lax.pcast(x, tuple(sorted(axes)), to="varying")
+
+
+def to_varying(x, axis_name: str):
+    """Mark `x` as varying over `axis_name`, so that its cotangent is summed over it.
+
+    Parameters replicated across the ring (sinks, ALiBi slopes) get one gradient
+    contribution per device; the transpose of this cast is the psum that adds them.
+    """
+    if axis_name is None or axis_name in varying_axes(x):
+        return x
+    if hasattr(jax.lax, "pvary"):
+        return jax.lax.pvary(x, axis_name)
+    try:
+        return jax.lax.pcast(x, axis_name, to="varying")
+    except (ValueError, TypeError):  # shard_map with check_vma=False tracks nothing
+        return x
+
+
+def reshard(x, mesh, spec):
+    """Put a global array (or tracer) into `spec` on `mesh`, for explicit or auto axes."""
+    from jax.sharding import AxisType, NamedSharding
+
+    explicit = any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+    if explicit:
+        return jax.reshard(x, spec) if isinstance(mesh, AbstractMesh) else jax.reshard(
+            x, NamedSharding(mesh, spec)
+        )
+    if isinstance(mesh, AbstractMesh):
+        return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def sharding_spec(x):
+    """The PartitionSpec of a global array or explicit-mode tracer, or None if unknown."""
+    sharding = getattr(x, "sharding", None)  # concrete jax.Array
+    spec = getattr(sharding, "spec", None)
+    if spec is not None:
+        return spec
+    try:
+        aval_sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001
+        return None
+    spec = getattr(aval_sharding, "spec", None)
+    mesh = getattr(aval_sharding, "mesh", None)
+    if spec is None or mesh is None or getattr(mesh, "empty", True):
+        return None
+    return spec

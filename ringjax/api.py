@@ -1,0 +1,169 @@
+"""`ring_attention`: validate, choose the calling mode, ask the registry, run."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from ringjax import _compat, registry
+from ringjax.options import check_inputs, make_options
+
+OP = "ring_attention"
+
+
+def _resolve_axis(axis_name, mesh):
+    """Return ("single" | "local" | "global", axis_size, mesh_for_shard_map)."""
+    if axis_name is None:
+        if mesh is not None:
+            raise ValueError("mesh= needs axis_name: name the mesh axis the sequence is sharded over")
+        return "single", 1, None
+    if not isinstance(axis_name, str):
+        raise TypeError(f"axis_name must be a str or None, got {type(axis_name).__name__}")
+    bound = _compat.axis_size_or_none(axis_name)
+    if bound is not None:
+        if mesh is not None and mesh.shape.get(axis_name) != bound:
+            raise ValueError(f"mesh axis {axis_name!r} does not match the enclosing shard_map's (size {bound})")
+        return "local", bound, None
+    target = mesh if mesh is not None else _compat.context_mesh()
+    if target is None or axis_name not in target.axis_names:
+        where = f"mesh axes {tuple(target.axis_names)}" if target is not None else "no mesh"
+        raise ValueError(
+            f"axis_name {axis_name!r} is not bound: call ring_attention inside jax.shard_map over a mesh "
+            f"with that axis, or on global arrays under jax.set_mesh(mesh) / mesh=mesh (found {where})"
+        )
+    return "global", int(target.shape[axis_name]), target
+
+
+def _spec_axes(entry) -> tuple:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _other_axes(q, mesh, axis_name):
+    """Mesh axes that batch and heads stay sharded over (never gathered)."""
+    spec = _compat.sharding_spec(q)
+    if spec is not None:
+        spec = tuple(spec) + (None,) * (4 - len(spec))
+        batch, heads = _spec_axes(spec[0]), _spec_axes(spec[2])
+        if axis_name in batch + heads:
+            raise ValueError(f"q is sharded over {axis_name!r} on batch or heads; the sequence axis must be free")
+        return batch, heads
+    # unknown sharding (auto axes under jit): data-parallel over the remaining axes if they divide batch
+    rest = tuple(a for a in mesh.axis_names if a != axis_name and mesh.shape[a] > 1)
+    if rest and q.shape[0] % math.prod(mesh.shape[a] for a in rest) == 0:
+        return rest, ()
+    return (), ()
+
+
+def _entry(axes: tuple):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def ring_attention(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    *,
+    axis_name: str | None = "sp",
+    causal: bool = False,
+    sliding_window: int | tuple[int, int] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    softmax_scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+    mesh=None,
+    implementation: str = "auto",
+    config=None,
+):
+    """Exact attention over a sequence sharded along mesh axis `axis_name`.
+
+    Inside `jax.shard_map` the arrays are local shards; outside it they are global
+    arrays and the op shards the sequence over `axis_name` of `mesh` (or the mesh
+    set by `jax.set_mesh`). `layout` says which global positions each shard holds;
+    see `to_layout`. Returns out [batch, seq, heads, head_dim] in q's dtype and,
+    with `return_lse`, lse [batch, heads, seq] float32 (natural log, -inf for rows
+    that see no key).
+    """
+    mode, axis_size, mesh_obj = _resolve_axis(axis_name, mesh)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if not isinstance(implementation, str):
+        raise TypeError(f"implementation must be a str, got {type(implementation).__name__}")
+    check_inputs(q, k, v, segment_ids, sinks, axis_size=axis_size, layout=layout, local=mode != "global")
+    opts = make_options(
+        q,
+        causal=causal,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        logits_soft_cap=logits_soft_cap,
+        layout=layout,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        has_segments=segment_ids is not None,
+        has_sinks=sinks is not None,
+    )
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    batch_axes = head_axes = ()
+    if mode == "global":
+        batch_axes, head_axes = _other_axes(q, mesh_obj, axis_name)
+        for axes, size, what in ((batch_axes, batch, "batch"), (head_axes, kv_heads, "kv_heads")):
+            ways = math.prod(mesh_obj.shape[a] for a in axes)
+            if size % ways:
+                raise ValueError(f"{what} ({size}) must be divisible by the {ways}-way sharding over {axes}")
+        batch //= math.prod(mesh_obj.shape[a] for a in batch_axes)
+        heads //= math.prod(mesh_obj.shape[a] for a in head_axes)
+        kv_heads //= math.prod(mesh_obj.shape[a] for a in head_axes)
+        seq //= axis_size
+    problem = registry.Problem(
+        opts=opts,
+        batch=batch,
+        seq=seq,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=str(q.dtype),
+        platform=registry.current_platform(),
+    )
+    _, impl = registry.choose(OP, implementation, problem)
+    if config is None:
+        config = impl.default_config(problem)
+    elif not isinstance(config, impl.config_type):
+        raise TypeError(f"config for {impl.name!r} must be a {impl.config_type.__name__}, got {type(config).__name__}")
+
+    def per_device(q, k, v, seg, sinks):
+        if sinks is not None and axis_name is not None:
+            # one sinks gradient per device; the cast's transpose sums them over the ring
+            sinks = _compat.to_varying(sinks, axis_name)
+        return impl.run(problem, config, q, k, v, seg, seg, sinks)
+
+    if mode != "global":
+        out, lse = per_device(q, k, v, segment_ids, sinks)
+    else:
+        b, h = _entry(batch_axes), _entry(head_axes)
+        qkv_spec = P(b, axis_name, h, None)
+        seg_spec = None if segment_ids is None else P(b, axis_name)
+        sink_spec = None if sinks is None else P(h)
+        args = (q, k, v, segment_ids, sinks)
+        specs = (qkv_spec, qkv_spec, qkv_spec, seg_spec, sink_spec)
+        present = [i for i, a in enumerate(args) if a is not None]
+
+        def per_device_present(*xs):
+            full = [None] * len(args)
+            for i, x in zip(present, xs):
+                full[i] = x
+            return per_device(*full)
+
+        out, lse = jax.shard_map(
+            per_device_present,
+            mesh=mesh_obj,
+            in_specs=tuple(specs[i] for i in present),
+            out_specs=(qkv_spec, P(b, h, axis_name)),
+        )(*(_compat.reshard(args[i], mesh_obj, specs[i]) for i in present))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,79 @@
+"""Which global token positions each shard holds, and reordering global arrays to match.
+
+- contiguous: shard i holds block i of N blocks.
+- zigzag: shard i holds chunks i and 2N-1-i of 2N chunks (balances causal work).
+- striped: shard i holds tokens i, i+N, i+2N, ... (balances causal work finely).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from ringjax import _compat
+from ringjax.options import LAYOUTS
+
+
+def _check(layout: str, axis_size: int, seq: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(axis_size, int) or axis_size < 1:
+        raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    if seq % chunks:
+        raise ValueError(f"sequence length {seq} must be divisible by {chunks} for layout {layout!r}")
+
+
+def local_positions(layout: str, shard, axis_size: int, local_len: int):
+    """Global positions [local_len] (int32) of the tokens held by `shard` (may be traced)."""
+    t = jnp.arange(local_len, dtype=jnp.int32)
+    shard = jnp.asarray(shard, jnp.int32)
+    if layout == "contiguous":
+        return shard * local_len + t
+    if layout == "striped":
+        return t * axis_size + shard
+    if layout == "zigzag":
+        half = local_len // 2
+        # first half is chunk `shard`, second half is chunk 2N-1-shard
+        chunk = jnp.where(t < half, shard, 2 * axis_size - 1 - shard)
+        return chunk * half + t % half
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _permutation(layout: str, axis_size: int, seq: int) -> np.ndarray:
+    """perm[i] = global position stored at index i of the reordered array."""
+    local = seq // axis_size
+    return np.concatenate(
+        [np.asarray(local_positions(layout, s, axis_size, local)) for s in range(axis_size)]
+    )
+
+
+def _reorder(x, order: np.ndarray, axis: int):
+    index = (slice(None),) * (axis % x.ndim) + (order,)
+    if isinstance(x, np.ndarray):
+        return x[index]
+    concrete = getattr(x, "sharding", None)
+    if isinstance(concrete, NamedSharding):
+        return x.at[index].get(out_sharding=concrete)
+    spec = _compat.sharding_spec(x)
+    if spec is not None:
+        # explicitly sharded tracer: keep the input's sharding rather than guess one
+        return x.at[index].get(out_sharding=spec)
+    return jnp.asarray(x)[index]
+
+
+def to_layout(x, layout: str, axis_size: int, axis: int = 1):
+    """Reorder a global array so that contiguous sharding along `axis` gives `layout`."""
+    _check(layout, axis_size, x.shape[axis])
+    if layout == "contiguous":
+        return x
+    return _reorder(x, _permutation(layout, axis_size, x.shape[axis]), axis)
+
+
+def from_layout(x, layout: str, axis_size: int, axis: int = 1):
+    """Inverse of `to_layout`: restore natural token order along `axis`."""
+    _check(layout, axis_size, x.shape[axis])
+    if layout == "contiguous":
+        return x
+    return _reorder(x, np.argsort(_permutation(layout, axis_size, x.shape[axis])), axis)

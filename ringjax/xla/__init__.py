@@ -1,0 +1,35 @@
+"""Pure-XLA backend: the reference ring implementation that runs on every platform."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringjax.registry import Problem
+from ringjax.ring import BlockKernel, ring_attention_shard
+from ringjax.xla.block import XlaConfig, block_bwd, block_fwd
+
+KERNEL = BlockKernel(name="xla", fwd=block_fwd, bwd=block_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaImplementation:
+    name: str = "xla"
+    config_type: type = XlaConfig
+
+    def supports(self, problem: Problem) -> str | None:
+        return None  # every feature, dtype and shape
+
+    def default_config(self, problem: Problem) -> XlaConfig:
+        return XlaConfig()
+
+    def candidate_configs(self, problem: Problem) -> list[XlaConfig]:
+        sizes = sorted({min(s, problem.seq) for s in (128, 256, 512, 1024)})
+        return [XlaConfig(block_q=bq, block_kv=bk) for bq in sizes for bk in sizes]
+
+    def run(self, problem: Problem, config: XlaConfig, q, k, v, q_seg, kv_seg, sinks):
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks)
+
+
+IMPLEMENTATION = XlaImplementation()
+
+__all__ = ["IMPLEMENTATION", "KERNEL", "XlaConfig", "block_bwd", "block_fwd"]

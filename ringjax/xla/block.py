@@ -1,0 +1,202 @@
+"""One ring step in plain XLA: flash-style blockwise attention with float32 statistics.
+
+Queries and keys are cut into blocks of `block_q` x `block_kv`; only one block of
+scores is live at a time, so memory is O(local_seq * block), and block pairs the
+mask hides entirely are skipped with `lax.cond`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringjax import _compat
+from ringjax.masks import BlockRange, TokenInfo, logits, logits_and_slope, maybe_visible, may_skip, visible
+from ringjax.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """Block sizes of the XLA step; each is shrunk to a divisor of the shard length."""
+
+    block_q: int = 512
+    block_kv: int = 512
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"XlaConfig.{name} must be a positive int, got {value!r}")
+
+
+def _pick_block(length: int, want: int, opts: AttentionOptions) -> int:
+    """Largest divisor of the unit length not above `want`.
+
+    Under zigzag a shard is two separate chunks; blocks never straddle them, so
+    position ranges stay tight and causal skipping halves the work.
+    """
+    unit = length // opts.shards_per_device
+    want = max(1, min(want, unit))
+    return max(d for d in range(1, want + 1) if unit % d == 0)
+
+
+def _precision(dtype):
+    # float32 inputs get true float32 products (GPUs would otherwise use TF32)
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _blocks(info: TokenInfo, n: int, size: int):
+    """Positions [n, size], segments [n, B, size] (or None) and per-block ranges."""
+    pos = info.pos.reshape(n, size)
+    seg = None
+    if info.seg is not None:
+        seg = jnp.moveaxis(info.seg.reshape(info.seg.shape[0], n, size), 1, 0)
+    lo, hi = pos.min(axis=1), pos.max(axis=1)
+    if seg is None:
+        return pos, seg, BlockRange(lo, hi, None, None)
+    return pos, seg, BlockRange(lo, hi, seg.min(axis=(1, 2)), seg.max(axis=(1, 2)))
+
+
+def _pick(rng: BlockRange, i) -> BlockRange:
+    return BlockRange(*(None if x is None else x[i] for x in rng))
+
+
+def _split_q(x, nq, bq, kv_heads):
+    """[B, T, H, D] -> [nq, B, KVH, G, bq, D]."""
+    b, _, h, d = x.shape
+    return x.reshape(b, nq, bq, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _merge_q(x):
+    """[nq, B, KVH, G, bq, D] -> [B, T, H, D]."""
+    nq, b, kvh, g, bq, d = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kvh * g, d)
+
+
+def _split_rows(x, nq, bq, kv_heads):
+    """[B, H, T] -> [nq, B, KVH, G, bq]."""
+    b, h, _ = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, nq, bq).transpose(3, 0, 1, 2, 4)
+
+
+def _split_kv(x, nk, bk):
+    """[B, S, KVH, D] -> [nk, B, KVH, bk, D]."""
+    b, _, kvh, d = x.shape
+    return x.reshape(b, nk, bk, kvh, d).transpose(1, 0, 3, 2, 4)
+
+
+def _merge_kv(x):
+    nk, b, kvh, bk, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, kvh, d)
+
+
+def _mask(opts, qp, qs, kp, ks):
+    """Mask broadcastable to scores [B, KVH, G, bq, bk]."""
+    return visible(opts, TokenInfo(qp, qs), TokenInfo(kp, ks))[:, None, None]
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: XlaConfig):
+    b, t, h, d = q.shape
+    s_len, kvh = k.shape[1], k.shape[2]
+    bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
+    nq, nk = t // bq, s_len // bk
+    prec = _precision(q.dtype)
+    qb = _split_q(q, nq, bq, kvh)
+    kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
+    qpos, qseg, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, krng = _blocks(k_info, nk, bk)
+    skip = may_skip(opts)
+
+    def q_block(i):
+        qi = qb[i]
+        init = (
+            _compat.match_vma(jnp.full(qi.shape[:-1], -jnp.inf, jnp.float32), q, k),
+            _compat.match_vma(jnp.zeros(qi.shape[:-1], jnp.float32), q, k),
+            _compat.match_vma(jnp.zeros(qi.shape, jnp.float32), q, k),
+        )
+
+        def kv_block(j, carry):
+            def compute(carry):
+                m, l, acc = carry
+                qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
+                s = logits(qk, opts)
+                vis = _mask(opts, qpos[i], None if qseg is None else qseg[i], kpos[j], None if kseg is None else kseg[j])
+                s = jnp.where(vis, s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
+                alpha = jnp.exp(m - m_safe)
+                l = alpha * l + p.sum(axis=-1)
+                pv = jnp.einsum(
+                    "bhgqk,bhkd->bhgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32, precision=prec
+                )
+                return m_new, l, alpha[..., None] * acc + pv
+
+            if not skip:
+                return compute(carry)
+            return lax.cond(maybe_visible(opts, _pick(qrng, i), _pick(krng, j)), compute, lambda c: c, carry)
+
+        m, l, acc = lax.fori_loop(0, nk, kv_block, init)
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return out, lse
+
+    out, lse = lax.map(q_block, jnp.arange(nq))
+    # lse [nq, B, KVH, G, bq] -> [B, H, T]
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, h, t)
+    return _merge_q(out), lse
+
+
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: XlaConfig):
+    b, t, h, d = q.shape
+    s_len, kvh = k.shape[1], k.shape[2]
+    bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
+    nq, nk = t // bq, s_len // bk
+    prec = _precision(q.dtype)
+    qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
+    lseb, deltab = _split_rows(lse, nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
+    lseb = jnp.where(jnp.isfinite(lseb), lseb, 0.0)  # masked rows: all scores -inf, P = 0
+    kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
+    qpos, qseg, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, krng = _blocks(k_info, nk, bk)
+    skip = may_skip(opts)
+    refs = (q, k, dout)
+
+    def kv_block(dq_acc, j):
+        kj, vj = kb[j], vb[j]
+
+        def q_block(i, carry):
+            def compute(carry):
+                dq_acc, dk, dv = carry
+                qi, doi = qb[i], dob[i]
+                qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32, precision=prec)
+                s, slope = logits_and_slope(qk, opts)
+                vis = _mask(opts, qpos[i], None if qseg is None else qseg[i], kpos[j], None if kseg is None else kseg[j])
+                p = jnp.where(vis, jnp.exp(s - lseb[i][..., None]), 0.0)
+                dv = dv + jnp.einsum(
+                    "bhgqk,bhgqd->bhkd", p.astype(dout.dtype), doi, preferred_element_type=jnp.float32, precision=prec
+                )
+                dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32, precision=prec)
+                ds = p * (dp - deltab[i][..., None]) * slope
+                dq_i = jnp.einsum(
+                    "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32, precision=prec
+                )
+                dk = dk + jnp.einsum(
+                    "bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32, precision=prec
+                )
+                return dq_acc.at[i].add(dq_i), dk, dv
+
+            if not skip:
+                return compute(carry)
+            return lax.cond(maybe_visible(opts, _pick(qrng, i), _pick(krng, j)), compute, lambda c: c, carry)
+
+        zeros_kv = _compat.match_vma(jnp.zeros(kj.shape, jnp.float32), *refs)
+        dq_acc, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, zeros_kv, zeros_kv))
+        return dq_acc, (dk, dv)
+
+    dq0 = _compat.match_vma(jnp.zeros(qb.shape, jnp.float32), *refs)
+    dq_acc, (dk, dv) = lax.scan(kv_block, dq0, jnp.arange(nk))
+    return _merge_q(dq_acc), _merge_kv(dk), _merge_kv(dv)
