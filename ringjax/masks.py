@@ -48,7 +48,8 @@ def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
         vis &= (kp >= qp - left) & (kp <= qp + right)
     vis = vis[None]
     if opts.has_segments:
-        vis = vis & (q.seg[:, :, None] == k.seg[:, None, :])
+        # negative ids mark padding: it sees nothing and nothing sees it
+        vis = vis & (q.seg[:, :, None] == k.seg[:, None, :]) & (q.seg >= 0)[:, :, None]
     return vis
 
 
@@ -62,7 +63,7 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
         ok &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
-        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo)
+        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
     return ok
 
 
