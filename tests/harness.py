@@ -51,7 +51,7 @@ def random_segments(rng, batch, seq):
         cuts = np.sort(rng.choice(np.arange(1, seq), size=min(seq - 1, rng.integers(2, 7)), replace=False))
         out[b] = np.searchsorted(cuts, np.arange(seq), side="right")
         if b % 2 == 0:
-            out[b, seq - rng.integers(1, seq // 4 + 1):] = -1
+            out[b, seq - rng.integers(1, max(1, seq // 4) + 1):] = -1
     return out
 
 
