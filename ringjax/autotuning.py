@@ -67,6 +67,10 @@ class TuneSettings:
                                  f"got {value!r}")
 
 
+# what policy "on" measures with when a call misses the cache; replace to change it process-wide
+ON_USE_SETTINGS = TuneSettings()
+
+
 @dataclasses.dataclass(frozen=True)
 class Selection:
     config: Any
@@ -160,7 +164,7 @@ def select(op: str, reg, impl, problem: registry.Problem, config=None, policy: s
                 _memory_put(kid, cfg)
                 return Selection(cfg, where)
         if policy == "on" and recorder is None:
-            result = tune_problem(op, reg, impl, problem)
+            result = tune_problem(op, reg, impl, problem, ON_USE_SETTINGS)
             if result.config is not None:
                 return Selection(result.config, "autotuned")
     return Selection(impl.default_config(problem), "heuristic")

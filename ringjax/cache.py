@@ -236,7 +236,7 @@ class Store:
         """The document on disk, None if absent; raises CacheFileError if bad."""
         try:
             text = self.path.read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         except UnicodeDecodeError:
             raise CacheFileError("not UTF-8 text") from None
@@ -246,7 +246,7 @@ class Store:
         """All entries on disk (empty if the file is absent or bad); reads are lock-free."""
         try:
             st = self.path.stat()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as e:
             _warn_once(self.path, f"cannot read {self.path} ({e}), ignoring it")
