@@ -90,6 +90,9 @@ def _cmd_cache_show(args) -> int:
     files = list(_selected_files(args))
     if args.shipped:
         files += [p for p in cache.shipped_files() if not args.device_kind or p == cache.shipped_path(args.device_kind)]
+    if not files:
+        print(f"no cached configs{' for ' + repr(args.device_kind) if args.device_kind else ''} "
+              f"in {cache.cache_dir()}")
     for path in files:
         doc, err = _load_file(path)
         if doc is None:

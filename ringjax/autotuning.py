@@ -272,9 +272,9 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
     proxy = False
     run_problem = problem
     mesh = None
-    if n > 1 and len(devices) >= n:
+    if problem.opts.axis_name is not None and len(devices) >= n:  # a ring, even of one, needs its axis bound
         mesh = Mesh(np.array(devices[:n]), (problem.opts.axis_name,))
-    elif n > 1:  # not enough devices for the ring: time the per-device work alone
+    elif problem.opts.axis_name is not None:  # not enough devices for the ring: time the per-device work alone
         proxy = True
         opts = dataclasses.replace(problem.opts, axis_size=1, axis_name=None)
         run_problem = dataclasses.replace(problem, opts=opts)
@@ -303,7 +303,7 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
             del compiled
         if bar is not None:
             bar.update(1)
-    return timings, len(devices[:n]) if mesh is not None else 1, proxy
+    return timings, n, proxy
 
 
 @contextlib.contextmanager
@@ -335,10 +335,10 @@ def tune_problem(op: str, reg, impl, problem: registry.Problem, settings: TuneSe
     problem = problem.resolved()
     key = cache.cache_key(op, impl.name, problem)
     kid = cache.key_id(key)
-    candidates = impl.candidate_configs(problem)
     with contextlib.ExitStack() as stack:
         if bar is None:
-            bar = stack.enter_context(_progress(len(candidates), settings.progress, f"ringjax autotune {impl.name}"))
+            total = len(impl.candidate_configs(problem))
+            bar = stack.enter_context(_progress(total, settings.progress, f"ringjax autotune {impl.name}"))
         timings, devices, proxy = _in_worker(_tune_outside_trace, impl, problem, settings, bar)
     ok = [(t, c) for c, t, err in timings if err is None]
     if not ok:

@@ -235,14 +235,17 @@ def test_cache_hit_across_processes(candidates):
     assert json.loads(child.stdout) == [["persistent", ringjax.config_to_json(result.config)]]
 
 
-def test_ring_larger_than_host_is_timed_as_proxy(candidates):
+@pytest.mark.parametrize("axis_size, devices, proxy", [(1, 1, False), (2 * len(jax.devices()), 1, True)],
+                         ids=["ring-of-one", "ring-larger-than-host"])
+def test_ring_sizes(candidates, axis_size, devices, proxy):
+    """A ring of one still binds its axis; a ring larger than the host is timed per device as a proxy."""
     candidates(XlaConfig(8, 8))
-    p = _problem(axis_name="sp", axis_size=2 * len(jax.devices()))
+    p = _problem(axis_name="sp", axis_size=axis_size)
     reg, impl = registry.choose("ring_attention", "auto", p)
     result = autotuning.tune_problem("ring_attention", reg, impl, p, QUICK)
-    assert result.config == XlaConfig(8, 8)
+    assert result.config == XlaConfig(8, 8), result.timings
     entry = cache.lookup("ring_attention", "xla", p.resolved())[1]
-    assert entry["proxy"] is True and entry["devices"] == 1 and entry["key"]["axis_size"] == 2 * len(jax.devices())
+    assert entry["proxy"] is proxy and entry["devices"] == devices and entry["key"]["axis_size"] == axis_size
 
 
 def test_tune_settings_validated():
