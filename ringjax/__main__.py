@@ -199,8 +199,11 @@ def _cmd_tune(args) -> int:
           f"{datetime.date.today().isoformat()}; per device: B={p.batch} T={p.seq} H={p.heads}/{p.kv_heads} "
           f"D={p.head_dim} {p.dtype}, ring of {p.opts.axis_size}, {'fwd+bwd' if settings.backward else 'fwd'}")
     for cfg, seconds, err in result.timings:
-        shown = registry.config_to_json(cfg)
-        print(f"  {json.dumps(shown, sort_keys=True):<40} " + (f"{seconds * 1e3:10.3f} ms" if err is None else err))
+        try:
+            shown = json.dumps(registry.config_to_json(cfg), sort_keys=True)
+        except TypeError:  # a candidate that is not a config at all (it failed; say which)
+            shown = repr(cfg)
+        print(f"  {shown:<40} " + (f"{seconds * 1e3:10.3f} ms" if err is None else err))
     if result.config is None:
         print("no candidate ran; nothing cached", file=sys.stderr)
         return 1

@@ -60,11 +60,13 @@ class TuneSettings:
     force: bool = False  # ringjax.autotune(): re-tune problems that already have a cached config
 
     def __post_init__(self):
-        for name in ("warmup", "repeats"):
+        for name, least in (("warmup", 0), ("repeats", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "repeats" else 0):
-                raise ValueError(f"TuneSettings.{name} must be an int >= {1 if name == 'repeats' else 0}, "
-                                 f"got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"TuneSettings.{name} must be an int >= {least}, got {value!r}")
+        for name in ("backward", "progress", "force"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TuneSettings.{name} must be a bool, got {getattr(self, name)!r}")
 
 
 # what policy "on" measures with when a call misses the cache; replace to change it process-wide

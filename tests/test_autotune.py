@@ -251,6 +251,20 @@ def test_ring_sizes(candidates, axis_size, devices, proxy):
 def test_tune_settings_validated():
     with pytest.raises(ValueError, match="repeats"):
         autotuning.TuneSettings(repeats=0)
+    with pytest.raises(TypeError, match="backward must be a bool"):
+        autotuning.TuneSettings(backward=1)
     with pytest.raises(TypeError, match="TuneSettings"):
         ringjax.autotune(lambda: None, autotune_settings={"repeats": 3})
-    assert np.isfinite(QUICK.repeats)
+
+
+def test_cli_tune(candidates, capsys):
+    from ringjax.__main__ import main
+
+    candidates(XlaConfig(8, 8), BROKEN)
+    argv = ["tune", "--batch", "1", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
+            "--axis-size", "2", "--causal", "--dtype", "float32", "--forward-only", "--repeats", "1", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"jax {jax.__version__}" in out and "ring of 2" in out and "compile: AttributeError" in out
+    assert 'best: {"block_kv": 8, "block_q": 8}' in out
+    assert cache.lookup("ring_attention", "xla", _problem(causal=True, axis_name="sp", axis_size=2).resolved())
