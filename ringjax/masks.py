@@ -3,6 +3,7 @@
 Every backend reads its mask rules from here, so each rule is written once:
 `visible` is the exact element-wise rule, `maybe_visible` the conservative test on
 ranges that lets a kernel skip whole blocks and the ring skip whole steps.
+All positions are global token positions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class TokenInfo(NamedTuple):
     """Per-token metadata of a block of queries or keys."""
 
     pos: jnp.ndarray  # [T] int32 global positions
-    seg: jnp.ndarray | None  # [B, T] int32 segment ids, or None
+    seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
+    segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens only)
 
 
 class BlockRange(NamedTuple):
@@ -28,48 +30,82 @@ class BlockRange(NamedTuple):
     pos_hi: jnp.ndarray
     seg_lo: jnp.ndarray | None
     seg_hi: jnp.ndarray | None
+    segpos_lo: jnp.ndarray | None = None
+
+
+class Extras(NamedTuple):
+    """Per-call arrays that shape the logits or probabilities."""
+
+    alibi_slopes: jnp.ndarray | None = None  # [H] float32
+    dropout_seed: jnp.ndarray | None = None  # [2] uint32
 
 
 def block_range(info: TokenInfo) -> BlockRange:
-    if info.seg is None:
-        return BlockRange(info.pos.min(), info.pos.max(), None, None)
-    return BlockRange(info.pos.min(), info.pos.max(), info.seg.min(), info.seg.max())
+    seg_lo = seg_hi = segpos_lo = None
+    if info.seg is not None:
+        seg_lo, seg_hi = info.seg.min(), info.seg.max()
+    if info.segpos is not None:
+        segpos_lo = info.segpos.min()
+    return BlockRange(info.pos.min(), info.pos.max(), seg_lo, seg_hi, segpos_lo)
+
+
+def _base(opts: AttentionOptions, qp, kp):
+    vis = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), bool)
+    if opts.causal:
+        vis &= kp <= qp
+    if opts.window is not None:
+        left, right = opts.window
+        vis &= (kp >= qp - left) & (kp <= qp + right)
+    if opts.chunk_size is not None:
+        vis &= qp // opts.chunk_size == kp // opts.chunk_size
+    return vis
 
 
 def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
     """Exact mask, bool [B or 1, Tq, Tk]."""
     qp = q.pos[:, None]
     kp = k.pos[None, :]
-    vis = jnp.ones((q.pos.shape[0], k.pos.shape[0]), bool)
-    if opts.causal:
-        vis &= kp <= qp
-    if opts.window is not None:
-        left, right = opts.window
-        vis &= (kp >= qp - left) & (kp <= qp + right)
-    vis = vis[None]
+    same = jnp.ones((1, 1, 1), bool)
     if opts.has_segments:
         # negative ids mark padding: it sees nothing and nothing sees it
-        vis = vis & (q.seg[:, :, None] == k.seg[:, None, :]) & (q.seg >= 0)[:, :, None]
-    return vis
+        same = (q.seg[:, :, None] == k.seg[:, None, :]) & (q.seg >= 0)[:, :, None]
+    base = _base(opts, qp, kp)[None] & same
+    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+        return base
+    # sink tokens: the first s tokens of the query's own segment, never in its future
+    sink = (k.segpos < opts.num_sink_tokens)[:, None, :] & same
+    if opts.causal:
+        sink &= (kp <= qp)[None]
+    return base | sink if opts.sink_mode == "inline" else sink & ~base
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
     """False only if no query of block q can see any key of block k (bool scalar)."""
-    ok = jnp.asarray(True)
-    if opts.causal:
-        ok &= k.pos_lo <= q.pos_hi
-    if opts.window is not None:
-        left, right = opts.window
-        ok &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
+    same = jnp.asarray(True)
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
-        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
-    return ok
+        same = (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
+    base = same
+    if opts.causal:
+        base &= k.pos_lo <= q.pos_hi
+    if opts.window is not None:
+        left, right = opts.window
+        base &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
+    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+        return base
+    sink = same & (k.segpos_lo < opts.num_sink_tokens)
+    if opts.causal:
+        sink &= k.pos_lo <= q.pos_hi
+    return base | sink if opts.sink_mode == "inline" else sink
 
 
 def may_skip(opts: AttentionOptions) -> bool:
     """Whether any block pair can be empty at all (static)."""
-    return opts.causal or opts.window is not None or opts.has_segments
+    return (opts.causal or opts.window is not None or opts.has_segments or opts.chunk_size is not None
+            or opts.sink_mode == "only")
 
 
 def logits(qk: jnp.ndarray, opts: AttentionOptions) -> jnp.ndarray:
@@ -88,3 +124,33 @@ def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarr
         return s, jnp.asarray(opts.softmax_scale, qk.dtype)
     t = jnp.tanh(s / opts.logits_soft_cap)
     return opts.logits_soft_cap * t, opts.softmax_scale * (1.0 - t * t)
+
+
+def alibi_distance(q_pos, k_pos) -> jnp.ndarray:
+    """-|i - j| [Tq, Tk] float32: ALiBi adds slope[h] times this to the logits (after the soft cap)."""
+    return -jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+
+
+def _fmix32(x):
+    # murmur3's finaliser: a bijection on uint32 with full avalanche
+    x ^= x >> 16
+    x *= jnp.uint32(0x85EBCA6B)
+    x ^= x >> 13
+    x *= jnp.uint32(0xC2B2AE35)
+    x ^= x >> 16
+    return x
+
+
+def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:
+    """Counter-based dropout mask: a pure function of (seed, batch*heads+head, i, j).
+
+    `batch_head` broadcasts against [Tq, Tk] (e.g. shape [B, H, 1, 1]); the same key
+    and global positions give the same mask on any ring size and layout.
+    """
+    qp = q_pos.astype(jnp.uint32)[:, None]
+    kp = k_pos.astype(jnp.uint32)[None, :]
+    x = _fmix32(qp * jnp.uint32(0x9E3779B1) ^ (kp * jnp.uint32(0x85EBCA77) + jnp.uint32(0x27D4EB2F)))
+    x = _fmix32(x ^ (batch_head.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D) + seed[0]))
+    x = _fmix32(x ^ seed[1])
+    threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    return x >= threshold
