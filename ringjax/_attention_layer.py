@@ -111,7 +111,7 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
     """LeCun-normal projections (unit-variance outputs); sinks start at 0 (logit of exp(0)=1)."""
     if name == "sinks":
         return jnp.zeros(shape, dtype)
-    return jax.random.normal(key, shape, dtype) / np.sqrt(fan_in(name, shape)).astype(dtype)
+    return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in(name, shape))).astype(dtype)
 
 
 def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
