@@ -12,6 +12,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -45,9 +46,10 @@ def test_two_processes_four_devices_each(tmp_path):
         for i in range(2)
     ]
     logs = []
+    deadline = time.monotonic() + TIMEOUT_S
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=TIMEOUT_S)[0])
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
     finally:
         for p in procs:
             if p.poll() is None:
