@@ -15,7 +15,9 @@ so the ring needs no `lax.cond` around it (`BlockKernel.skips_empty_steps`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +31,7 @@ from ringjax.options import AttentionOptions
 from ringjax.pallas.gpu.config import GpuConfig, pick_block
 
 _NEG_INF = float("-inf")
+_LOG2E = 1.0 / math.log(2.0)
 
 
 def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: int) -> tuple[int, int]:
@@ -83,9 +86,29 @@ def _visit_list(cat):
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
-    """2-D matmul with float32 accumulation; transposes fold into the contraction."""
+    """2-D matmul with float32 accumulation; transposes fold into the contraction.
+
+    float32 operands get IEEE products: Triton would otherwise use TF32 (~3e-4 error).
+    """
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+
+
+def _logits2(qk, opts: AttentionOptions):
+    """Logits in base 2 (logits * log2 e, so exp2 replaces exp) and their slope d logits / d qk.
+
+    Without a soft cap the log2 e factor folds into the scale: one multiply per score.
+    """
+    if opts.logits_soft_cap is None:
+        return logits(qk, dataclasses.replace(opts, softmax_scale=opts.softmax_scale * _LOG2E)), opts.softmax_scale
+    s, slope = logits_and_slope(qk, opts)
+    return s * _LOG2E, slope
+
+
+def _q_block(opts: AttentionOptions, nq: int, i):
+    """Causal: the last query blocks have the most keys; launch them first."""
+    return nq - 1 - i if opts.causal else i
 
 
 def _seg_info(pos, seg):
@@ -96,13 +119,13 @@ def _mask(opts, q_tok, k_tok, shape):
     return visible(opts, q_tok, k_tok).reshape(shape)
 
 
-def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, has_seg: bool):
+def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool):
     if has_seg:
         q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, idx_ref, nf_ref, nv_ref, o_ref, lse_ref = refs
     else:
         q_ref, k_ref, v_ref, qpos_ref, kpos_ref, idx_ref, nf_ref, nv_ref, o_ref, lse_ref = refs
         qseg_ref = kseg_ref = None
-    i = pl.program_id(0)
+    i = _q_block(opts, nq, pl.program_id(0))
     row = pl.program_id(1) if has_seg else 0
     q = q_ref[...]
     q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
@@ -112,15 +135,15 @@ def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, has_seg: bool):
         start = pl.multiple_of(idx_ref[row, i, t] * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = logits(_dot(q, k, trans_b=True), opts)
+        s, _ = _logits2(_dot(q, k, trans_b=True), opts)
         if masked:
             k_tok = _seg_info(kpos_ref[pl.ds(start, bk)], None if kseg_ref is None else kseg_ref[pl.ds(start, bk)])
             s = jnp.where(_mask(opts, q_tok, k_tok, s.shape), s, _NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         # rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives exact zeros
         m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
-        p = jnp.exp(s - m_use[:, None])
-        alpha = jnp.exp(m - m_use)
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m - m_use)
         l = alpha * l + p.sum(axis=1)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return m_new, l, acc
@@ -133,13 +156,13 @@ def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, has_seg: bool):
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), _NEG_INF)
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) / _LOG2E, _NEG_INF)
 
 
-def _probs_and_ds(q, k, v, do, lse, delta, opts, mask):
-    """P, dS (both [bq, bk], float32) of one block pair; `mask` is None or bool [bq, bk]."""
-    s, slope = logits_and_slope(_dot(q, k, trans_b=True), opts)
-    p = jnp.exp(s - lse[:, None])
+def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
+    """P, dS (both [bq, bk], float32) of one block pair; lse2 = lse * log2 e; `mask` is None or bool."""
+    s, slope = _logits2(_dot(q, k, trans_b=True), opts)
+    p = jnp.exp2(s - lse2[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
     dp = _dot(do, v, trans_b=True)
@@ -147,14 +170,14 @@ def _probs_and_ds(q, k, v, do, lse, delta, opts, mask):
     return p, ds
 
 
-def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, has_seg: bool):
+def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool):
     if has_seg:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
          idx_ref, nf_ref, nv_ref, dq_ref) = refs
     else:
         q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, idx_ref, nf_ref, nv_ref, dq_ref = refs
         qseg_ref = kseg_ref = None
-    i = pl.program_id(0)
+    i = _q_block(opts, nq, pl.program_id(0))
     row = pl.program_id(1) if has_seg else 0
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
@@ -249,22 +272,24 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     bq, bk = block_sizes(opts, t, s, config.block_q, config.block_kv)
     has_seg = q_info.seg is not None
     idx, n_full, n_vis = _visit_list(_categories(opts, q_info, k_info, bq, bk))
+    nq = t // bq
+    r = functools.partial(_q_block, opts, nq)
     args = [q, k, v, q_info.pos, k_info.pos]
     specs = [
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((bq,), lambda i, bb, hh: (i,)),
+        pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
         pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
     ]
     if has_seg:
         args += [q_info.seg, k_info.seg]
-        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)),
+        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
                   pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
     args += [idx, n_full, n_vis]
     specs += [_full(idx), _full(n_full), _full(n_vis)]
     args = _unify(args)
-    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, has_seg=has_seg)
+    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg)
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
                   _compat.struct_like((b, h, t), jnp.float32, args[0])]
     call = pl.pallas_call(
@@ -272,8 +297,8 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
         grid=(t // bq, b, h),
         in_specs=specs,
         out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i)),
+            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
         ],
         out_shape=out_shapes,
         compiler_params=_params(config, bwd=False),
@@ -292,33 +317,36 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     bq, bk = block_sizes(opts, t, s, config.bwd_block_q, config.bwd_block_kv)
     has_seg = q_info.seg is not None
     cat = _categories(opts, q_info, k_info, bq, bk)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see no key: every P is masked to 0 anyway
+    # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
+    lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0)
     delta = delta.astype(jnp.float32)
     seg_args = [q_info.seg, k_info.seg] if has_seg else []
 
     # dQ: grid over query blocks, walking key blocks
     idx, n_full, n_vis = _visit_list(cat)
+    nq = t // bq
+    r = functools.partial(_q_block, opts, nq)
     args = _unify([q, k, v, dout, lse, delta, q_info.pos, k_info.pos, *seg_args, idx, n_full, n_vis])
     specs = [
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0)),
+        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
         pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i)),
-        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, i)),
-        pl.BlockSpec((bq,), lambda i, bb, hh: (i,)),
+        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
+        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
+        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
+        pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
         pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
     ]
     if has_seg:
-        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, i)),
+        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
                   pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
     specs += [_full(idx), _full(n_full), _full(n_vis)]
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
     call = pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, has_seg=has_seg),
+        functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg),
         grid=(t // bq, b, h),
         in_specs=specs,
-        out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, i, hh, 0))],
+        out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0))],
         out_shape=out_shapes,
         compiler_params=_params(config, bwd=True),
         interpret=config.interpret,
