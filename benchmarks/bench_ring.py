@@ -136,6 +136,41 @@ def part_sweep(rows, args):
     return best_b[1] if best_b else (best[1] if best else GpuConfig())
 
 
+def part_sweep32(rows, args):
+    """Forward launch configs at 32K, causal and not (the kernel's best case)."""
+    t = 32768
+    q, k, v, _ = inputs(t)
+    for causal in (False, True):
+        for bq, bk, w, s in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3)):
+            cfg = GpuConfig(block_q=bq, block_kv=bk, num_warps=w, num_stages=s)
+            try:
+                ms = timeit(jax.jit(ringjax_attn(causal, "pallas_gpu", cfg)), q, k, v, reps=args.reps) * 1e3
+            except Exception as e:  # noqa: BLE001
+                record(rows, part="sweep32", impl="pallas_gpu", T=t, causal=causal, mode="fwd",
+                       note=f"{(bq, bk, w, s)} failed: {type(e).__name__}: {str(e)[:200]}")
+                continue
+            record(rows, part="sweep32", impl="pallas_gpu", T=t, causal=causal, mode="fwd", ms=round(ms, 3),
+                   tflops=round(flops(t, causal, False) / ms / 1e9, 1), note=str((bq, bk, w, s)))
+
+
+def part_ppchain(rows, args):
+    """8 ppermutes chained in one program: the per-transfer cost without per-call dispatch."""
+    n = min(4, len(jax.devices()))
+    mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def chain(x):
+        return jax.lax.fori_loop(0, 8, lambda i, y: jax.lax.ppermute(y, "sp", perm), x)
+
+    fn = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("sp"), out_specs=P("sp")))
+    for mb in (16, 64, 256):
+        elems = mb * 2**20 // 2
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (n * elems,), DT), NamedSharding(mesh, P("sp")))
+        s = timeit(fn, x, reps=args.reps) / 8
+        record(rows, part="ppchain", impl="ppermute x8 in one jit", gpus=n, ms=round(s * 1e3, 3),
+               note=f"{mb} MiB/device {mb * 2**20 / s / 1e9:.1f} GB/s per device per transfer")
+
+
 def part_single(rows, args, cfg, seqs):
     for t in seqs:
         q, k, v, do = inputs(t)
@@ -250,7 +285,7 @@ def part_ppermute(rows, args):
                                   out_specs=P("sp")))
     for mb in (16, 64, 256, 1024):
         elems = mb * 2**20 // 2
-        x = jax.device_put(jnp.ones((n * elems,), DT), NamedSharding(mesh, P("sp")))
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (n * elems,), DT), NamedSharding(mesh, P("sp")))
         s = timeit(shift, x, reps=args.reps)
         record(rows, part="ppermute", impl="ppermute", gpus=n, ms=round(s * 1e3, 3),
                note=f"{mb} MiB/device {mb * 2**20 / s / 1e9:.1f} GB/s per device; tag={args.tag}")
@@ -325,6 +360,10 @@ def main():
         cfg = part_sweep(rows, args)
     meta["config"] = json.loads(cfg.to_json())
     cache = {}
+    if "sweep32" in parts:
+        part_sweep32(rows, args)
+    if "ppchain" in parts:
+        part_ppchain(rows, args)
     if "single" in parts:
         part_single(rows, args, cfg, seqs)
     if "ring" in parts:

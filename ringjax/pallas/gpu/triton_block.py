@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ringjax import _compat
-from ringjax.masks import BlockRange, TokenInfo, fully_visible, logits, logits_and_slope, maybe_visible, visible
+from ringjax.masks import (BlockRange, TokenInfo, fully_visible, logits, logits_and_slope, may_skip, maybe_visible,
+                           visible)
 from ringjax.options import AttentionOptions
 from ringjax.pallas.gpu.config import GpuConfig, pick_block
 
@@ -119,7 +120,7 @@ def _mask(opts, q_tok, k_tok, shape):
     return visible(opts, q_tok, k_tok).reshape(shape)
 
 
-def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool):
+def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, dense: bool):
     if has_seg:
         q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, idx_ref, nf_ref, nv_ref, o_ref, lse_ref = refs
     else:
@@ -132,7 +133,7 @@ def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_se
 
     def step(t, carry, masked):
         m, l, acc = carry
-        start = pl.multiple_of(idx_ref[row, i, t] * bk, bk)
+        start = pl.multiple_of((t if dense else idx_ref[row, i, t]) * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s, _ = _logits2(_dot(q, k, trans_b=True), opts)
@@ -150,9 +151,12 @@ def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_se
 
     d = q.shape[-1]
     init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
-    m, l, acc = lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), carry)
+    if dense:  # no mask at all: every key block, in order, no index table
+        m, l, acc = lax.fori_loop(0, k_ref.shape[0] // bk, functools.partial(step, masked=False), init)
+    else:
+        n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
+        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
+        m, l, acc = lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), carry)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = acc / l_safe[:, None]
@@ -170,7 +174,7 @@ def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
     return p, ds
 
 
-def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool):
+def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, dense: bool):
     if has_seg:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
          idx_ref, nf_ref, nv_ref, dq_ref) = refs
@@ -183,7 +187,7 @@ def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg
     q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
 
     def step(t, dq, masked):
-        start = pl.multiple_of(idx_ref[row, i, t] * bk, bk)
+        start = pl.multiple_of((t if dense else idx_ref[row, i, t]) * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         mask = None
@@ -194,12 +198,15 @@ def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg
         return dq + _dot(ds.astype(k.dtype), k)
 
     dq = jnp.zeros(q.shape, jnp.float32)
+    if dense:
+        dq_ref[...] = lax.fori_loop(0, k_ref.shape[0] // bk, functools.partial(step, masked=False), dq)
+        return
     n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
     dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
     dq_ref[...] = lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), dq)
 
 
-def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, has_seg: bool):
+def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, has_seg: bool, dense: bool):
     if has_seg:
         (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
          idx_ref, nf_ref, nv_ref, dk_ref, dv_ref) = refs
@@ -216,7 +223,7 @@ def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, ha
     def head(g, carry):
         def step(t, carry, masked):
             dk, dv = carry
-            start = pl.multiple_of(idx_ref[row, j, t] * bq, bq)
+            start = pl.multiple_of((t if dense else idx_ref[row, j, t]) * bq, bq)
             rows = pl.ds(start, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows], delta_ref[g, rows]
@@ -229,6 +236,8 @@ def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, ha
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
             return dk, dv
 
+        if dense:
+            return lax.fori_loop(0, q_ref.shape[0] // bq, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
         return lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), carry)
 
@@ -289,7 +298,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     args += [idx, n_full, n_vis]
     specs += [_full(idx), _full(n_full), _full(n_vis)]
     args = _unify(args)
-    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg)
+    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, dense=not may_skip(opts))
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
                   _compat.struct_like((b, h, t), jnp.float32, args[0])]
     call = pl.pallas_call(
@@ -343,7 +352,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     specs += [_full(idx), _full(n_full), _full(n_vis)]
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
     call = pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg),
+        functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, dense=not may_skip(opts)),
         grid=(t // bq, b, h),
         in_specs=specs,
         out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0))],
@@ -374,7 +383,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     kv_spec = pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0))
     out_shapes = [_compat.struct_like(k.shape, jnp.float32, args[0])] * 2
     call = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg),
+        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg, dense=not may_skip(opts)),
         grid=(s // bk, b, kvh),
         in_specs=specs,
         out_specs=[kv_spec, kv_spec],
