@@ -298,7 +298,8 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     args += [idx, n_full, n_vis]
     specs += [_full(idx), _full(n_full), _full(n_vis)]
     args = _unify(args)
-    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, dense=not may_skip(opts))
+    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg,
+                               dense=not may_skip(opts))
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
                   _compat.struct_like((b, h, t), jnp.float32, args[0])]
     call = pl.pallas_call(
@@ -383,7 +384,8 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     kv_spec = pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0))
     out_shapes = [_compat.struct_like(k.shape, jnp.float32, args[0])] * 2
     call = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg, dense=not may_skip(opts)),
+        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg,
+                          dense=not may_skip(opts)),
         grid=(s // bk, b, kvh),
         in_specs=specs,
         out_specs=[kv_spec, kv_spec],
