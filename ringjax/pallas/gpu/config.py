@@ -24,7 +24,7 @@ class GpuConfig:
     block_q: int = 128
     block_kv: int = 128
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
     bwd_block_q: int = 64
     bwd_block_kv: int = 64
     bwd_num_warps: int = 4
