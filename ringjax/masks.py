@@ -102,6 +102,27 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
     return base | sink if opts.sink_mode == "inline" else sink
 
 
+def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
+    """True only if every query of block q sees every key of block k (bool, broadcasts).
+
+    Kernels skip the element-wise mask on such block pairs.
+    """
+    if opts.sink_mode == "only":
+        return jnp.asarray(False)  # sinks the base rule hides: never a whole block
+    ok = jnp.asarray(True)
+    if opts.causal:
+        ok &= k.pos_hi <= q.pos_lo
+    if opts.window is not None:
+        left, right = opts.window
+        ok &= (k.pos_lo >= q.pos_hi - left) & (k.pos_hi <= q.pos_lo + right)
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        ok &= (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (q.pos_lo // c == k.pos_lo // c)
+    if opts.has_segments:
+        ok &= (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi) & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)
+    return ok
+
+
 def may_skip(opts: AttentionOptions) -> bool:
     """Whether any block pair can be empty at all (static)."""
     return (opts.causal or opts.window is not None or opts.has_segments or opts.chunk_size is not None

@@ -219,3 +219,14 @@ def _from_json(value, where: str):
 
 
 register("ring_attention", "xla", platforms=("cpu", "gpu", "tpu"), priority=0, target="ringjax.xla:IMPLEMENTATION")
+register(
+    "ring_attention", "pallas_gpu", platforms=("gpu",), priority=10, target="ringjax.pallas.gpu:IMPLEMENTATION"
+)
+# the GPU kernels run by the Pallas interpreter: for tests on any platform, never picked by "auto"
+register(
+    "ring_attention",
+    "pallas_gpu_interpret",
+    platforms=("cpu", "gpu"),
+    priority=-10,
+    target="ringjax.pallas.gpu:INTERPRET_IMPLEMENTATION",
+)

@@ -33,11 +33,15 @@ class BlockKernel:
       -> (dq, dk, dv, d alibi_slopes or None), float32,
       where lse is the final (whole-ring) lse and delta = rowsum(dout * out) - dlse.
     Both must give exact zeros (and lse -inf) for rows that see no key.
+    `skips_empty_steps`: the kernel itself does no work on a step the mask empties,
+    so the ring runs it unconditionally instead of under `lax.cond` (on GPUs a
+    conditional reads its predicate on the host, stalling the stream every step).
     """
 
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
+    skips_empty_steps: bool = False
 
 
 def _shift(tree, opts: AttentionOptions, d: int):
@@ -54,9 +58,9 @@ def _shard_index(opts: AttentionOptions):
     return lax.axis_index(opts.axis_name) if opts.axis_name is not None else jnp.int32(0)
 
 
-def _run_step(opts, q_info, k_info, compute, empty):
+def _run_step(opts, kernel, q_info, k_info, compute, empty):
     """Run `compute` unless the mask hides every key of this step from every query."""
-    if not steps_may_be_empty(opts):
+    if kernel.skips_empty_steps or not steps_may_be_empty(opts):
         return compute()
     pred = maybe_visible(opts, block_range(q_info), block_range(k_info))
     return lax.cond(pred, compute, empty)
@@ -128,7 +132,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
             zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
-        o, l = _run_step(ring_opts, q_info, k_info, compute, empty)
+        o, l = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
         kv = nxt
     if plan.sink_step:
@@ -198,7 +202,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
             slopes = _compat.match_vma(jnp.zeros(q.shape[2], jnp.float32), *refs) if alibi else None
             return (*zeros, slopes)
 
-        dq_s, dk_s, dv_s, dsl_s = _run_step(ring_opts, q_info, k_info, compute, empty)
+        dq_s, dk_s, dv_s, dsl_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
         dq = dq_s if dq is None else dq + dq_s
         dslopes = dsl_s if dslopes is None else dslopes + dsl_s
         dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)

@@ -1,0 +1,1 @@
+"""Pallas backends; each subpackage is one platform and is imported only when selected."""
