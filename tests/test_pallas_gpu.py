@@ -29,6 +29,7 @@ CASES = [
     (2, "contiguous", "float32", dict(seq=64, segments="random", sinks=True), dict(causal=True)),
     (4, "striped", "float32", dict(seq=64, heads=4, kv_heads=1), dict()),
     (2, "contiguous", "float32", dict(seq=64, batch=1, head_dim=32), dict(sliding_window=(5, 20))),
+    (2, "zigzag", "float32", dict(seq=64, segments="random"), dict(causal=True, chunk_size=24)),
 ]
 
 
@@ -53,6 +54,16 @@ def _problem(**kw):
                 dtype="bfloat16", platform="gpu")
     base.update(kw)
     return registry.Problem(**base)
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_rate=0.1), dict(num_sink_tokens=2), dict(alibi=True)])
+def test_refuses_what_it_lacks(kw):
+    q = jnp.ones((1, 32, 2, 16))
+    extra = {"alibi_slopes": jnp.ones(2)} if kw.pop("alibi", False) else {}
+    if "dropout_rate" in kw:
+        extra["dropout_rng"] = jax.random.key(0)
+    with pytest.raises(ValueError, match="not implemented in the Pallas GPU kernels"):
+        ringjax.ring_attention(q, q, q, axis_name=None, implementation=IMPL, **kw, **extra)
 
 
 def test_auto_never_picks_it_on_cpu():
