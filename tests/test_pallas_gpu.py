@@ -19,6 +19,8 @@ ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas_gpu" if ON_GPU else "pallas_gpu_interpret"
 # smallest legal blocks, so tiny shards still have several blocks per step
 SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16)
+FUSED = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
+                  bwd_fused=True)
 
 CASES = [
     # (devices, layout, dtype, input kwargs, attention kwargs)
@@ -42,10 +44,44 @@ def test_matches_reference(n, layout, dtype, xkw, kw):
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
+# the fused backward (dQ by atomic adds) on each walk: ranges (causal, window), list (segments), dense
+FUSED_CASES = [
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True)),
+    (2, "contiguous", "float32", dict(seq=64, segments="random"), dict(causal=True, sliding_window=20)),
+    (2, "striped", "bfloat16", dict(seq=64, heads=4, kv_heads=1), dict(logits_soft_cap=3.0)),
+]
+
+
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", FUSED_CASES)
+def test_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
+    if n > jax.device_count():
+        pytest.skip(f"needs {n} devices, this machine has {jax.device_count()}")
+    x = make_inputs(n * 11 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation=IMPL, config=FUSED, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+def test_range_table():
+    """Bounds cover every visible column; a non-contiguous fully visible set is all masked."""
+    import numpy as np
+
+    from ringjax.pallas.gpu.triton_block import _range_table
+
+    cat = jnp.asarray([[[2, 0, 0, 1, 2],    # causal-like: full prefix then the diagonal
+                        [1, 0, 1, 0, 2],    # full columns 1 and 3 are not contiguous
+                        [2, 2, 2, 2, 2],    # nothing visible
+                        [1, 2, 1, 2, 2]]])  # visible but never fully
+    got = np.asarray(_range_table(cat))[0].tolist()
+    assert got == [[1, 1, 3, 4], [0, 0, 0, 4], [0, 0, 0, 0], [0, 0, 0, 3]]
+
+
 def test_default_config_matches_reference():
     """The production block sizes (not only the tiny ones) on a multi-block shard."""
     x = make_inputs(3, batch=1, seq=512, heads=2, kv_heads=1, head_dim=16)
     got = run_ring(x, 2, layout="zigzag", implementation=IMPL, causal=True)
+    check_against_reference(got, reference_for(x, causal=True), "float32")
+    got = run_ring(x, 2, layout="zigzag", implementation=IMPL, causal=True,
+                   config=GpuConfig(interpret=not ON_GPU, bwd_fused=not GpuConfig().bwd_fused))
     check_against_reference(got, reference_for(x, causal=True), "float32")
 
 
@@ -84,7 +120,7 @@ def test_auto_picks_it_on_gpu_and_falls_back_with_reasons():
 
 
 @pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_kv=8), dict(num_warps=3), dict(num_stages=0),
-                                 dict(interpret=1)])
+                                 dict(interpret=1), dict(bwd_fused=1)])
 def test_config_validation(bad):
     with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
         GpuConfig(**bad)
@@ -123,3 +159,9 @@ def test_kernels_lower_to_triton_for_cuda():
             pytest.skip(f"this jax cannot lower Triton kernels without a GPU ({jax.__version__})")
         raise
     assert exported.mlir_module().count("xla.gpu.triton") == 3
+    fused = GpuConfig(bwd_fused=True)
+    exported = export.export(jax.jit(lambda *a: block_bwd(*a[:6], TokenInfo(jnp.arange(t, dtype=jnp.int32), None),
+                                                          TokenInfo(jnp.arange(t, dtype=jnp.int32), None),
+                                                          AttentionOptions(causal=True, softmax_scale=0.1), fused)),
+                             platforms=["cuda"], disabled_checks=[check])(*args[:6])
+    assert exported.mlir_module().count("xla.gpu.triton") == 1

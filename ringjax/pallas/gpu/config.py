@@ -19,6 +19,8 @@ class GpuConfig:
     Block sizes are powers of two >= 16; each is shrunk to the largest power of two
     dividing the shard's unit length (half a shard under zigzag). `interpret=True`
     runs the same kernels through the Pallas interpreter (CPU tests; slow).
+    `bwd_fused=True` computes dQ inside the dK/dV kernel with float32 atomic adds (5 block
+    matmuls per block pair instead of 7; the summation order of dQ is then not fixed).
     """
 
     block_q: int = 128
@@ -29,6 +31,7 @@ class GpuConfig:
     bwd_block_kv: int = 64
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
+    bwd_fused: bool = False
     interpret: bool = False
 
     def __post_init__(self):
@@ -44,8 +47,9 @@ class GpuConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ValueError(f"GpuConfig.{name} must be an int in [1, 8], got {value!r}")
-        if not isinstance(self.interpret, bool):
-            raise TypeError(f"GpuConfig.interpret must be a bool, got {type(self.interpret).__name__}")
+        for name in ("bwd_fused", "interpret"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GpuConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

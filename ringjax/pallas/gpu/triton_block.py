@@ -1,15 +1,22 @@
 """One ring step as Pallas kernels lowered through Triton (any CUDA GPU, or the interpreter).
 
 Forward: grid (q block, batch, head); each program walks the key blocks the mask
-may show it. Backward: a dK/dV kernel (grid over key blocks and KV heads, walking
-the query blocks and the G query heads of its KV head, so GQA needs no repeated K/V
-and no atomics) and a dQ kernel (grid like the forward).
+may show it. Backward, fused (default): grid over key blocks and KV heads, walking the
+query blocks of the G query heads of its KV head (no repeated K/V); dK, dV accumulate in
+registers and dQ is added to a float32 buffer with atomics: 5 block matmuls per block
+pair. Backward, split (`GpuConfig(bwd_fused=False)`): the same dK/dV kernel without dQ,
+plus a dQ kernel gridded like the forward: 7 block matmuls, no atomics.
 
 Which block pairs run is decided before the launch, in XLA, from `masks.maybe_visible`
-on block position/segment ranges: every program gets a visit list ordered
-"fully visible" (no element mask needed, `masks.fully_visible`), then "partly
-visible" (element mask from `masks.visible`); invisible pairs are never visited. A
-step whose keys are all hidden does no work and returns out 0, lse -inf, zero grads,
+and `masks.fully_visible` on block position/segment ranges. Three walks:
+- "dense": the mask hides nothing (no causal/window/chunk/segments): every block, no table.
+- "ranges" (no segments): per program four loop bounds lo <= flo <= fhi <= hi; blocks
+  [flo, fhi) are fully visible (no element mask), [lo, flo) and [fhi, hi) get the element
+  mask, the rest are never visited. The loop index is the block index, so no load sits
+  between iterations and Triton can software-pipeline the K/V loads.
+- "list" (segments, whose visible blocks need not be contiguous): a per-program list of
+  block indices, fully visible first; one dependent index load per block.
+A step whose keys are all hidden does no work and returns out 0, lse -inf, zero grads,
 so the ring needs no `lax.cond` around it (`BlockKernel.skips_empty_steps`).
 """
 
@@ -83,6 +90,58 @@ def _visit_list(cat):
     return order, n_full, n_vis
 
 
+def _range_table(cat):
+    """int32 [Bl, n, 4] per row of `cat` [Bl, n, m]: lo <= flo <= fhi <= hi.
+
+    [lo, hi) covers every visible column; [flo, fhi) holds fully visible columns only.
+    Exact for any mask: columns of [lo, hi) outside [flo, fhi) get the element mask, and
+    if the fully visible columns are not contiguous none is treated as fully visible.
+    For position-only masks on monotone positions (every layout) both sets are
+    contiguous, so nothing hidden is visited and nothing visible is masked needlessly.
+    """
+    m = cat.shape[-1]
+    col = jnp.arange(m, dtype=jnp.int32)
+    vis, full = cat < 2, cat == 0
+    hi = jnp.max(jnp.where(vis, col + 1, 0), axis=-1)
+    lo = jnp.minimum(jnp.min(jnp.where(vis, col, m), axis=-1), hi)
+    fhi = jnp.max(jnp.where(full, col + 1, 0), axis=-1)
+    flo = jnp.min(jnp.where(full, col, m), axis=-1)
+    contiguous = (fhi > flo) & (fhi - flo == full.sum(axis=-1))
+    flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
+    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def _walk_mode(opts: AttentionOptions, has_seg: bool) -> str:
+    if not may_skip(opts):
+        return "dense"
+    return "list" if has_seg else "ranges"
+
+
+def _tables(mode: str, cat):
+    """Arrays the kernels index to find their blocks (see the module docstring)."""
+    if mode == "dense":
+        return []
+    if mode == "ranges":
+        return [_range_table(cat)]
+    return list(_visit_list(cat))
+
+
+def _walk(mode: str, tabs, row, i, n: int, step, carry):
+    """carry = step(block, carry, masked) over the blocks program row `i` must visit."""
+    if mode == "dense":
+        return lax.fori_loop(0, n, lambda t, c: step(t, c, False), carry)
+    if mode == "ranges":
+        (rng_ref,) = tabs
+        lo, flo, fhi, hi = (rng_ref[row, i, c] for c in range(4))
+        carry = lax.fori_loop(lo, flo, lambda t, c: step(t, c, True), carry)
+        carry = lax.fori_loop(flo, fhi, lambda t, c: step(t, c, False), carry)
+        return lax.fori_loop(fhi, hi, lambda t, c: step(t, c, True), carry)
+    idx_ref, nf_ref, nv_ref = tabs
+    n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
+    carry = lax.fori_loop(0, n_full, lambda t, c: step(idx_ref[row, i, t], c, False), carry)
+    return lax.fori_loop(n_full, n_vis, lambda t, c: step(idx_ref[row, i, t], c, True), carry)
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -120,20 +179,26 @@ def _mask(opts, q_tok, k_tok, shape):
     return visible(opts, q_tok, k_tok).reshape(shape)
 
 
-def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, dense: bool):
+def _unpack(refs, n_in: int, has_seg: bool, n_tabs: int):
+    """Split kernel refs into (inputs, seg refs or Nones, tables, outputs)."""
+    ins, rest = refs[:n_in], refs[n_in:]
+    segs = (None, None)
     if has_seg:
-        q_ref, k_ref, v_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref, idx_ref, nf_ref, nv_ref, o_ref, lse_ref = refs
-    else:
-        q_ref, k_ref, v_ref, qpos_ref, kpos_ref, idx_ref, nf_ref, nv_ref, o_ref, lse_ref = refs
-        qseg_ref = kseg_ref = None
+        segs, rest = rest[:2], rest[2:]
+    return ins, segs, rest[:n_tabs], rest[n_tabs:]
+
+
+def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, mode: str, n_tabs: int):
+    (q_ref, k_ref, v_ref, qpos_ref, kpos_ref), (qseg_ref, kseg_ref), tabs, (o_ref, lse_ref) = _unpack(
+        refs, 5, has_seg, n_tabs)
     i = _q_block(opts, nq, pl.program_id(0))
     row = pl.program_id(1) if has_seg else 0
     q = q_ref[...]
     q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
 
-    def step(t, carry, masked):
+    def step(blk, carry, masked):
         m, l, acc = carry
-        start = pl.multiple_of((t if dense else idx_ref[row, i, t]) * bk, bk)
+        start = pl.multiple_of(blk * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         s, _ = _logits2(_dot(q, k, trans_b=True), opts)
@@ -151,12 +216,7 @@ def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_se
 
     d = q.shape[-1]
     init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    if dense:  # no mask at all: every key block, in order, no index table
-        m, l, acc = lax.fori_loop(0, k_ref.shape[0] // bk, functools.partial(step, masked=False), init)
-    else:
-        n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
-        m, l, acc = lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), carry)
+    m, l, acc = _walk(mode, tabs, row, i, k_ref.shape[0] // bk, step, init)
     seen = l > 0.0
     l_safe = jnp.where(seen, l, 1.0)
     o_ref[...] = acc / l_safe[:, None]
@@ -174,20 +234,16 @@ def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
     return p, ds
 
 
-def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, dense: bool):
-    if has_seg:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-         idx_ref, nf_ref, nv_ref, dq_ref) = refs
-    else:
-        q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, idx_ref, nf_ref, nv_ref, dq_ref = refs
-        qseg_ref = kseg_ref = None
+def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, mode: str, n_tabs: int):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref), (qseg_ref, kseg_ref), tabs, (dq_ref,) = (
+        _unpack(refs, 8, has_seg, n_tabs))
     i = _q_block(opts, nq, pl.program_id(0))
     row = pl.program_id(1) if has_seg else 0
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
     q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
 
-    def step(t, dq, masked):
-        start = pl.multiple_of((t if dense else idx_ref[row, i, t]) * bk, bk)
+    def step(blk, dq, masked):
+        start = pl.multiple_of(blk * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
         mask = None
@@ -197,33 +253,25 @@ def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg
         _, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = jnp.zeros(q.shape, jnp.float32)
-    if dense:
-        dq_ref[...] = lax.fori_loop(0, k_ref.shape[0] // bk, functools.partial(step, masked=False), dq)
-        return
-    n_full, n_vis = nf_ref[row, i], nv_ref[row, i]
-    dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-    dq_ref[...] = lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), dq)
+    dq_ref[...] = _walk(mode, tabs, row, i, k_ref.shape[0] // bk, step, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, has_seg: bool, dense: bool):
-    if has_seg:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref, qseg_ref, kseg_ref,
-         idx_ref, nf_ref, nv_ref, dk_ref, dv_ref) = refs
-    else:
-        (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref,
-         idx_ref, nf_ref, nv_ref, dk_ref, dv_ref) = refs
-        qseg_ref = kseg_ref = None
+def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, has_seg: bool, mode: str,
+                n_tabs: int, fused: bool):
+    """dK, dV of one key block (and, if `fused`, its dQ contributions added atomically)."""
+    ins, (qseg_ref, kseg_ref), tabs, outs = _unpack(refs, 8 + fused, has_seg, n_tabs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref = ins[:8]
+    dk_ref, dv_ref = outs[:2]
+    dq_ref = outs[2] if fused else None  # aliased to the zeros passed as input 8
     j = pl.program_id(0)
     row = pl.program_id(1) if has_seg else 0
     k, v = k_ref[...], v_ref[...]
     k_tok = _seg_info(kpos_ref[...], None if kseg_ref is None else kseg_ref[...])
-    n_full, n_vis = nf_ref[row, j], nv_ref[row, j]
 
     def head(g, carry):
-        def step(t, carry, masked):
+        def step(blk, carry, masked):
             dk, dv = carry
-            start = pl.multiple_of((t if dense else idx_ref[row, j, t]) * bq, bq)
+            start = pl.multiple_of(blk * bq, bq)
             rows = pl.ds(start, bq)
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows], delta_ref[g, rows]
@@ -234,12 +282,11 @@ def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, ha
             p, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            if fused:
+                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
             return dk, dv
 
-        if dense:
-            return lax.fori_loop(0, q_ref.shape[0] // bq, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), carry)
-        return lax.fori_loop(n_full, n_vis, functools.partial(step, masked=True), carry)
+        return _walk(mode, tabs, row, j, q_ref.shape[0] // bq, step, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
     dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
@@ -280,7 +327,8 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     g = h // kvh
     bq, bk = block_sizes(opts, t, s, config.block_q, config.block_kv)
     has_seg = q_info.seg is not None
-    idx, n_full, n_vis = _visit_list(_categories(opts, q_info, k_info, bq, bk))
+    mode = _walk_mode(opts, has_seg)
+    tabs = _tables(mode, _categories(opts, q_info, k_info, bq, bk)) if mode != "dense" else []
     nq = t // bq
     r = functools.partial(_q_block, opts, nq)
     args = [q, k, v, q_info.pos, k_info.pos]
@@ -295,11 +343,11 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
         args += [q_info.seg, k_info.seg]
         specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
                   pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
-    args += [idx, n_full, n_vis]
-    specs += [_full(idx), _full(n_full), _full(n_vis)]
+    args += tabs
+    specs += [_full(x) for x in tabs]
     args = _unify(args)
-    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg,
-                               dense=not may_skip(opts))
+    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, mode=mode,
+                               n_tabs=len(tabs))
     out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
                   _compat.struct_like((b, h, t), jnp.float32, args[0])]
     call = pl.pallas_call(
@@ -326,73 +374,91 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     g = h // kvh
     bq, bk = block_sizes(opts, t, s, config.bwd_block_q, config.bwd_block_kv)
     has_seg = q_info.seg is not None
-    cat = _categories(opts, q_info, k_info, bq, bk)
+    mode = _walk_mode(opts, has_seg)
+    cat = _categories(opts, q_info, k_info, bq, bk) if mode != "dense" else None
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0)
     delta = delta.astype(jnp.float32)
     seg_args = [q_info.seg, k_info.seg] if has_seg else []
+    fused = config.bwd_fused
 
-    # dQ: grid over query blocks, walking key blocks
-    idx, n_full, n_vis = _visit_list(cat)
-    nq = t // bq
-    r = functools.partial(_q_block, opts, nq)
-    args = _unify([q, k, v, dout, lse, delta, q_info.pos, k_info.pos, *seg_args, idx, n_full, n_vis])
-    specs = [
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-        pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
-        pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
-        pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
-        pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
-    ]
-    if has_seg:
-        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
-                  pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
-    specs += [_full(idx), _full(n_full), _full(n_vis)]
-    out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
-    call = pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, dense=not may_skip(opts)),
-        grid=(t // bq, b, h),
-        in_specs=specs,
-        out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0))],
-        out_shape=out_shapes,
-        compiler_params=_params(config, bwd=True),
-        interpret=config.interpret,
-        name="ringjax_bwd_dq",
-    )
-    (dq,) = _launch(call, args, out_shapes, config.interpret)
+    dq = None
+    if not fused:  # dQ: grid over query blocks, walking key blocks
+        tabs = _tables(mode, cat)
+        nq = t // bq
+        r = functools.partial(_q_block, opts, nq)
+        args = _unify([q, k, v, dout, lse, delta, q_info.pos, k_info.pos, *seg_args, *tabs])
+        specs = [
+            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
+            pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
+            pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
+            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
+            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
+            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
+            pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
+            pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
+        ]
+        if has_seg:
+            specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
+                      pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
+        specs += [_full(x) for x in tabs]
+        out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
+        call = pl.pallas_call(
+            functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, mode=mode,
+                              n_tabs=len(tabs)),
+            grid=(t // bq, b, h),
+            in_specs=specs,
+            out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0))],
+            out_shape=out_shapes,
+            compiler_params=_params(config, bwd=True),
+            interpret=config.interpret,
+            name="ringjax_bwd_dq",
+        )
+        (dq,) = _launch(call, args, out_shapes, config.interpret)
 
-    # dK, dV: grid over key blocks and KV heads, walking query blocks of the G query heads
-    idx, n_full, n_vis = _visit_list(jnp.swapaxes(cat, 1, 2))
-    args = _unify([q, k, v, dout, lse, delta, q_info.pos, k_info.pos, *seg_args, idx, n_full, n_vis])
+    # dK, dV (and dQ when fused): grid over key blocks and KV heads, walking query blocks of the G query heads
+    tabs = _tables(mode, None if cat is None else jnp.swapaxes(cat, 1, 2))
+    group = pl.BlockSpec((None, t, g, d), lambda j, bb, hh: (bb, 0, hh, 0))
+    args = [q, k, v, dout, lse, delta, q_info.pos, k_info.pos]
     specs = [
-        pl.BlockSpec((None, t, g, d), lambda j, bb, hh: (bb, 0, hh, 0)),
+        group,
         pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0)),
         pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0)),
-        pl.BlockSpec((None, t, g, d), lambda j, bb, hh: (bb, 0, hh, 0)),
+        group,
         pl.BlockSpec((None, g, t), lambda j, bb, hh: (bb, hh, 0)),
         pl.BlockSpec((None, g, t), lambda j, bb, hh: (bb, hh, 0)),
         pl.BlockSpec((t,), lambda j, bb, hh: (0,)),
         pl.BlockSpec((bk,), lambda j, bb, hh: (j,)),
     ]
+    if fused:  # dQ accumulates atomically into these zeros (aliased to output 2)
+        args.append(jnp.zeros((b, t, h, d), jnp.float32))
+        specs.append(group)
+    args += seg_args + tabs
     if has_seg:
         specs += [pl.BlockSpec((None, t), lambda j, bb, hh: (bb, 0)),
                   pl.BlockSpec((None, bk), lambda j, bb, hh: (bb, j))]
-    specs += [_full(idx), _full(n_full), _full(n_vis)]
+    specs += [_full(x) for x in tabs]
+    args = _unify(args)
     kv_spec = pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0))
     out_shapes = [_compat.struct_like(k.shape, jnp.float32, args[0])] * 2
+    out_specs = [kv_spec, kv_spec]
+    if fused:
+        out_shapes.append(_compat.struct_like((b, t, h, d), jnp.float32, args[0]))
+        out_specs.append(group)
     call = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg,
-                          dense=not may_skip(opts)),
+        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg, mode=mode,
+                          n_tabs=len(tabs), fused=fused),
         grid=(s // bk, b, kvh),
         in_specs=specs,
-        out_specs=[kv_spec, kv_spec],
+        out_specs=out_specs,
         out_shape=out_shapes,
+        input_output_aliases={8: 2} if fused else {},
         compiler_params=_params(config, bwd=True),
         interpret=config.interpret,
-        name="ringjax_bwd_dkv",
+        name="ringjax_bwd_dkv_dq" if fused else "ringjax_bwd_dkv",
     )
-    dk, dv = _launch(call, args, out_shapes, config.interpret)
+    if fused:
+        dk, dv, dq = _launch(call, args, out_shapes, config.interpret)
+    else:
+        dk, dv = _launch(call, args, out_shapes, config.interpret)
     return dq, dk, dv
