@@ -11,6 +11,7 @@ prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -85,8 +86,14 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+_STREAM = []  # open file receiving every row as one JSON line (rows survive a killed run)
+
+
 def record(rows, **row):
     rows.append(row)
+    for f in _STREAM:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
     keys = ("part", "impl", "T", "gpus", "layout", "causal", "mode", "ms", "tflops", "pct_ideal", "note")
     print(" ".join(f"{k}={row[k]}" for k in keys if k in row), flush=True)
 
@@ -153,6 +160,55 @@ def part_sweep32(rows, args):
                    tflops=round(flops(t, causal, False) / ms / 1e9, 1), note=str((bq, bk, w, s)))
 
 
+def _time_cfg(rows, part, t, causal, mode, cfg, note, q, k, v, do, reps):
+    """ms of one config (None if it fails to compile or run; the failure is recorded)."""
+    try:
+        if mode == "fwd":
+            ms = timeit(jax.jit(ringjax_attn(causal, "pallas_gpu", cfg)), q, k, v, reps=reps) * 1e3
+        else:
+            ms = timeit(make_fns(ringjax_attn(causal, "pallas_gpu", cfg))[1], q, k, v, do, reps=reps) * 1e3
+    except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+        record(rows, part=part, impl="pallas_gpu", T=t, causal=causal, mode=mode,
+               note=f"{note} failed: {type(e).__name__}: {str(e)[:200]}")
+        return None
+    record(rows, part=part, impl="pallas_gpu", T=t, causal=causal, mode=mode, ms=round(ms, 3),
+           tflops=round(flops(t, causal, mode != "fwd") / ms / 1e9, 1), note=note)
+    return ms
+
+
+def part_tune(rows, args):
+    """v4 tuning (at --tune-t): forward tiles (causal and not), then split vs fused backward tiles (causal)."""
+    t = args.tune_t
+    q, k, v, do = inputs(t)
+    best, best_ms = GpuConfig(), None
+    for bq, bk, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4)):
+        cfg = GpuConfig(block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
+        total = 0.0
+        for causal in (True, False):
+            ms = _time_cfg(rows, "tune", t, causal, "fwd", cfg, str((bq, bk, w, st)), q, k, v, do, args.reps)
+            total = None if ms is None or total is None else total + ms
+        if total is not None and (best_ms is None or total < best_ms):
+            best, best_ms = cfg, total
+    best_b, best_b_ms = best, None
+    for fused, bq, bk, w, st in ((False, 64, 64, 4, 2), (False, 64, 64, 4, 3), (True, 64, 64, 4, 2),
+                                 (True, 64, 64, 4, 3), (True, 64, 128, 8, 2), (True, 64, 128, 8, 3)):
+        cfg = dataclasses.replace(best, bwd_block_q=bq, bwd_block_kv=bk, bwd_num_warps=w, bwd_num_stages=st,
+                                  bwd_fused=fused)
+        ms = _time_cfg(rows, "tune", t, True, "fwd+bwd", cfg, f"{'fused' if fused else 'split'} {(bq, bk, w, st)}",
+                       q, k, v, do, args.reps)
+        if ms is not None and (best_b_ms is None or ms < best_b_ms):
+            best_b, best_b_ms = cfg, ms
+    print("tuned config:", best_b.to_json(), flush=True)
+    return best_b
+
+
+def part_ideal(rows, args, totals, cache):
+    """cuDNN single-GPU references for the ring's % of ideal (causal, fwd and fwd+bwd)."""
+    for t in totals:
+        for mode in ("fwd", "fwd+bwd"):
+            cudnn_tflops(rows, args, t, True, mode, cache)
+
+
 def part_ppchain(rows, args):
     """8 ppermutes chained in one program: the per-transfer cost without per-call dispatch."""
     n = min(4, len(jax.devices()))
@@ -176,7 +232,7 @@ def part_single(rows, args, cfg, seqs):
         q, k, v, do = inputs(t)
         for causal in (True, False):
             impls = [("cudnn", cudnn_attn(causal)), ("pallas_gpu", ringjax_attn(causal, "pallas_gpu", cfg))]
-            if t <= 8192:
+            if args.with_xla and t <= 8192:
                 impls.append(("xla", ringjax_attn(causal, "xla")))
             ref = None
             for name, attn in impls:
@@ -238,9 +294,9 @@ def part_ring(rows, args, cfg, per_gpu_seqs, gpu_counts, cache):
         for tp in per_gpu_seqs:
             t = tp * n
             q, k, v, do = inputs(t, sh)
-            for layout in ("zigzag", "contiguous"):
+            for layout in args.layouts.split(","):
                 impls = [("pallas_gpu", cfg)]
-                if n == max(gpu_counts) and tp == min(per_gpu_seqs) and layout == "zigzag":
+                if args.with_xla and n == max(gpu_counts) and tp == min(per_gpu_seqs) and layout == "zigzag":
                     impls.append(("xla", None))
                 for impl, c in impls:
                     fwd, fb = ring_fns(mesh, True, layout, impl, c)
@@ -346,7 +402,12 @@ def main():
     p.add_argument("--max-ideal-t", type=int, default=131072)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--tag", default="main")
-    p.add_argument("--config", default=None, help="GpuConfig as JSON (skips the sweep's choice)")
+    p.add_argument("--config", default=None, help="GpuConfig as JSON, or @file holding it (skips tuning)")
+    p.add_argument("--tune-t", type=int, default=32768, help="sequence length of part 'tune'")
+    p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts for part 'ring'")
+    p.add_argument("--with-xla", type=int, default=1, help="also time the XLA ring (0: skip)")
+    p.add_argument("--ideal-totals", default="16384,32768,65536,131072", help="total T for part 'ideal'")
+    p.add_argument("--prior", default="", help="comma-separated bench JSONs whose cuDNN rows serve as ideals")
     args = p.parse_args()
     parts = args.parts.split(",")
     seqs = [int(s) for s in args.seqs.split(",")]
@@ -354,12 +415,34 @@ def main():
                 date=datetime.date.today().isoformat(), env={k: v for k, v in os.environ.items()
                                                              if k.startswith(("NCCL_", "XLA_"))})
     print(meta, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    _STREAM.append(open(os.path.join(args.out, f"rows_{args.tag}.jsonl"), "w"))  # noqa: SIM115
+    _STREAM[0].write(json.dumps({"meta": meta}) + "\n")
     rows = []
-    cfg = GpuConfig.from_json(args.config) if args.config else GpuConfig()
-    if "sweep" in parts and not args.config:
+    text = args.config
+    if text and text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    cfg = GpuConfig.from_json(text) if text else GpuConfig()
+    if "sweep" in parts and not text:
         cfg = part_sweep(rows, args)
+    if "tune" in parts and not text:
+        cfg = part_tune(rows, args)
     meta["config"] = json.loads(cfg.to_json())
+    with open(os.path.join(args.out, f"config_{args.tag}.json"), "w") as f:
+        f.write(cfg.to_json())
     cache = {}
+    for path in filter(None, args.prior.split(",")):
+        if not os.path.exists(path):
+            print(f"--prior {path} is missing; measuring those ideals here", flush=True)
+            continue
+        with open(path) as f:
+            prior = [json.loads(line) for line in f] if path.endswith(".jsonl") else json.load(f)["rows"]
+            for r in prior:
+                if r.get("impl") == "cudnn" and r.get("part") in ("single", "ideal") and "tflops" in r:
+                    cache.setdefault((r["T"], r["causal"], r["mode"]), r["tflops"])
+    if "ideal" in parts:
+        part_ideal(rows, args, [int(x) for x in args.ideal_totals.split(",")], cache)
     if "sweep32" in parts:
         part_sweep32(rows, args)
     if "ppchain" in parts:
@@ -372,7 +455,6 @@ def main():
         part_million(rows, args, cfg)
     if "ppermute" in parts:
         part_ppermute(rows, args)
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"bench_{args.tag}.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     plot(rows, os.path.join(args.out, f"bench_{args.tag}.png"))
