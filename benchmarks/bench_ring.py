@@ -181,7 +181,8 @@ def part_tune(rows, args):
     t = args.tune_t
     q, k, v, do = inputs(t)
     best, best_ms = GpuConfig(), None
-    for bq, bk, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4)):
+    fwd_cfgs = ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4)) if args.tune_fwd else ()
+    for bq, bk, w, st in fwd_cfgs:
         cfg = GpuConfig(block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
         total = 0.0
         for causal in (True, False):
@@ -190,8 +191,9 @@ def part_tune(rows, args):
         if total is not None and (best_ms is None or total < best_ms):
             best, best_ms = cfg, total
     best_b, best_b_ms = best, None
-    for fused, bq, bk, w, st in ((False, 64, 64, 4, 2), (False, 64, 64, 4, 3), (True, 64, 64, 4, 2),
-                                 (True, 64, 64, 4, 3), (True, 64, 128, 8, 2), (True, 64, 128, 8, 3)):
+    for spec in args.tune_bwd.split(","):  # e.g. f64.128.8.2: fused, bq 64, bk 128, 8 warps, 2 stages
+        fused = spec[0] == "f"
+        bq, bk, w, st = (int(x) for x in spec[1:].split("."))
         cfg = dataclasses.replace(best, bwd_block_q=bq, bwd_block_kv=bk, bwd_num_warps=w, bwd_num_stages=st,
                                   bwd_fused=fused)
         ms = _time_cfg(rows, "tune", t, True, "fwd+bwd", cfg, f"{'fused' if fused else 'split'} {(bq, bk, w, st)}",
@@ -404,6 +406,9 @@ def main():
     p.add_argument("--tag", default="main")
     p.add_argument("--config", default=None, help="GpuConfig as JSON, or @file holding it (skips tuning)")
     p.add_argument("--tune-t", type=int, default=32768, help="sequence length of part 'tune'")
+    p.add_argument("--tune-fwd", type=int, default=1, help="part 'tune' also tunes forward tiles (0: default)")
+    p.add_argument("--tune-bwd", default="s64.64.4.2,s64.64.4.3,f64.64.4.2,f64.64.4.3,f64.128.8.2,f64.128.8.3",
+                   help="backward configs of part 'tune': s|f (split|fused) then bq.bk.warps.stages")
     p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts for part 'ring'")
     p.add_argument("--with-xla", type=int, default=1, help="also time the XLA ring (0: skip)")
     p.add_argument("--ideal-totals", default="16384,32768,65536,131072", help="total T for part 'ideal'")

@@ -36,6 +36,7 @@ from ringjax import _compat
 from ringjax.masks import (BlockRange, TokenInfo, fully_visible, logits, logits_and_slope, may_skip, maybe_visible,
                            visible)
 from ringjax.options import AttentionOptions
+from ringjax.pallas.gpu._atomics import atomic_add
 from ringjax.pallas.gpu.config import GpuConfig, pick_block
 
 _NEG_INF = float("-inf")
@@ -283,7 +284,7 @@ def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, ha
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
             if fused:
-                plgpu.atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
+                atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
             return dk, dv
 
         return _walk(mode, tabs, row, j, q_ref.shape[0] // bq, step, carry)
