@@ -8,7 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import check_against_reference, make_inputs, mesh_of, reference_for, rel_err
+from harness import make_inputs, mesh_of, reference_for, rel_err
 from reference import attention_reference
 
 
