@@ -30,7 +30,7 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None):
     return m
 
 
-def _attention64(q, k, v, sinks, *, mask, scale, soft_cap):
+def _attention64(q, k, v, sinks, *, mask, scale, soft_cap, counts=None):
     b, t, h, d = q.shape
     g = h // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
@@ -39,11 +39,16 @@ def _attention64(q, k, v, sinks, *, mask, scale, soft_cap):
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     mask = jnp.asarray(mask)[:, None]  # [B|1, 1, T, T]
+    weight = 1.0
+    if counts is not None:  # [B|1, H|1, T, T]: key j enters row i's softmax counts[i, j] times
+        counts = jnp.asarray(counts, jnp.float64)
+        mask = mask & (counts > 0)
+        weight = counts
     mx = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
     if sinks is not None:
         mx = jnp.maximum(mx, jax.lax.stop_gradient(sinks)[None, :, None])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    e = jnp.where(mask, jnp.exp(s - mx[..., None]), 0.0)
+    e = jnp.where(mask, jnp.exp(s - mx[..., None]) * weight, 0.0)
     total = e.sum(-1)
     if sinks is not None:
         total = total + jnp.exp(sinks[None, :, None] - mx)
@@ -56,9 +61,14 @@ def _attention64(q, k, v, sinks, *, mask, scale, soft_cap):
 
 def attention_reference(
     q, k, v, *, causal=False, window=None, segment_ids=None, softmax_scale=None, logits_soft_cap=None,
-    sinks=None, dout=None, dlse=None,
+    sinks=None, dout=None, dlse=None, counts=None,
 ):
     """Float64 (out, lse) and, given cotangents, gradients (dq, dk, dv, dsinks).
+
+    `counts` (optional, [B or 1, H or 1, T, T], bool or non-negative numbers) is a
+    per-head multiplicity on top of the other masks: key j enters query i's softmax
+    counts[..., i, j] times (0: not at all), as when partial results that share keys
+    are merged through their lse.
 
     The loss whose gradient is returned is sum(out * dout) + sum(lse * dlse) over
     rows with finite lse.
@@ -70,7 +80,7 @@ def attention_reference(
         s64 = None if sinks is None else jnp.asarray(np.asarray(sinks, np.float64))
 
         def f(q, k, v, s):
-            return _attention64(q, k, v, s, mask=mask, scale=scale, soft_cap=logits_soft_cap)
+            return _attention64(q, k, v, s, mask=mask, scale=scale, soft_cap=logits_soft_cap, counts=counts)
 
         out, lse = f(*args, s64)
         result = {"out": np.asarray(out), "lse": np.asarray(lse)}
