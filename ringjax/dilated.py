@@ -93,6 +93,21 @@ def _kv_heads_for(heads: np.ndarray, group: int) -> np.ndarray:
     return kv_of
 
 
+def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
+    """The window on the compressed sequence (positions p // r) of branch (w, r).
+
+    Same-offset tokens are r apart, so |p - j| <= x iff |p//r - j//r| <= x // r. A segment
+    of w tokens implies the window (w - 1, w - 1); stating it is exact and lets the ring
+    skip the steps (and transfers) that no segment reaches.
+    """
+    if w < global_len:
+        left, right = window if window is not None else (w - 1, w - 1)
+        window = (min(left, w - 1), 0 if causal else min(right, w - 1))
+    if window is None:
+        return None
+    return (window[0] // r, window[1] // r)
+
+
 def _add_sinks(out, lse, sinks):
     """exp(sinks[h]) joins each row's denominator once, after the branches merge."""
     sink = sinks.astype(jnp.float32)[None, :, None]
@@ -131,11 +146,10 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
             parts.append((o, heads, q[:, o::r][:, :, heads], k[:, o::r][:, :, kv_heads],
                           v[:, o::r][:, :, kv_heads], ids))
         kw = dict(ring_kw, axis_name=axis_name, layout=inner_layout, return_lse=True,
-                  sliding_window=None if window is None else (window[0] // r, window[1] // r))
-        stackable = len({(p[2].shape, p[3].shape) for p in parts}) == 1 and (
-            len(parts) == 1 or all(p[5] is not None for p in parts))
+                  sliding_window=_compressed_window(window, w, r, global_len, ring_kw["causal"]))
+        stackable = len({(p[2].shape, p[3].shape) for p in parts}) == 1
         if stackable:
-            cat = [jnp.concatenate([p[i] for p in parts]) if len(parts) > 1 else parts[0][i] for i in (2, 3, 4, 5)]
+            cat = [None if parts[0][i] is None else jnp.concatenate([p[i] for p in parts]) for i in (2, 3, 4, 5)]
             out_all, lse_all = ring_attention(cat[0], cat[1], cat[2], segment_ids=cat[3], sinks=sinks_here, **kw)
             results = [(out_all[i * b:(i + 1) * b], lse_all[i * b:(i + 1) * b]) for i in range(len(parts))]
         else:

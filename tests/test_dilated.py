@@ -187,3 +187,22 @@ def test_layout_errors_inside_shard_map():
                       mesh=mesh, in_specs=spec, out_specs=spec)
     with pytest.raises(ValueError, match="local sequence length \\(12\\)"):
         jax.jit(f)(q, k, v)
+
+
+def test_short_segments_shorten_the_ring():
+    """Segments of one shard's length reach only the neighbouring shards: 3 ring steps, not 8."""
+    n, seq = 8, 64
+    mesh = mesh_of(n)
+    spec = P(None, "sp")
+    shapes = [jax.ShapeDtypeStruct((1, seq, 4, 8), jnp.float32, sharding=NamedSharding(mesh, spec))] * 3
+
+    def count(**kw):
+        f = jax.shard_map(lambda q, k, v: ringjax.dilated_attention(q, k, v, **kw), mesh=mesh, in_specs=spec,
+                          out_specs=spec)
+        with jax.set_mesh(mesh):
+            text = jax.jit(f).lower(*shapes).as_text()
+        return sum(line.count("collective_permute") for line in text.splitlines())
+
+    # K, V and segment ids travel: one first shift plus 2 ring transfers, against 7 for the whole ring
+    assert count(segment_lengths=8, dilation_rates=2) == 3 * 3
+    assert count(segment_lengths=seq, dilation_rates=2) == 2 * (n - 1)
