@@ -217,7 +217,7 @@ def dilated_attention(
     if not isinstance(layout, str) or layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_inputs(q, k, v, segment_ids, sinks, axis_size=axis_size, layout=layout, local=mode != "global")
-    batch, seq, heads, head_dim = q.shape
+    seq, head_dim = q.shape[1], q.shape[3]
     local_len = seq // axis_size if mode == "global" else seq
     _check_layout(layout, branches, axis_size, local_len)
     if softmax_scale is None:
@@ -244,7 +244,7 @@ def dilated_attention(
 def _global(per_device, mesh, axis_name, branches, q, k, v, segment_ids, sinks):
     """Run `per_device` under shard_map; batch and heads keep their sharding when they can."""
     batch_axes, head_axes = api._other_axes(q, mesh, axis_name)
-    ways = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    ways = lambda axes: math.prod(mesh.shape[a] for a in axes)
     if q.shape[0] % ways(batch_axes):
         batch_axes = ()
     rates = math.lcm(*(r for _, r in branches))

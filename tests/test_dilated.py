@@ -64,7 +64,7 @@ def run_dilated(x, n, branches, *, layout="contiguous", mode="shard_map", **kw):
     seq_sharding = NamedSharding(mesh, P(None, "sp"))
     to = functools.partial(ringjax.to_layout, layout=layout, axis_size=n, axis=1)
     back = functools.partial(ringjax.from_layout, layout=layout, axis_size=n, axis=1)
-    put = lambda a: jax.device_put(to(jnp.asarray(a)), seq_sharding)  # noqa: E731
+    put = lambda a: jax.device_put(to(jnp.asarray(a)), seq_sharding)
     seg = put(x["segment_ids"]) if "segment_ids" in x else None
     sinks = jax.device_put(jnp.asarray(x["sinks"]), NamedSharding(mesh, P())) if "sinks" in x else None
     dlse = jax.device_put(ringjax.to_layout(jnp.asarray(x["dlse"]), layout, n, axis=2),

@@ -81,9 +81,9 @@ def run_entry(kind, x, n, *, layout="contiguous", mode="shard_map", cu_seqlens=N
     if kind == "qkvpacked":
         given["qkv"] = np.stack([q, k, v], axis=2)
     if mode == "single":  # plain unsharded arrays, no mesh
-        put = lambda a: jnp.asarray(a)  # noqa: E731
+        put = lambda a: jnp.asarray(a)
     else:
-        put = lambda a: jax.device_put(to(jnp.asarray(a), axis=seq_axis), seq_sharding)  # noqa: E731
+        put = lambda a: jax.device_put(to(jnp.asarray(a), axis=seq_axis), seq_sharding)
     arrays = [jnp.asarray(cu_seqlens, jnp.int32) if name == "cu_seqlens" else put(given[name]) for name in names]
     sinks = jnp.asarray(x["sinks"]) if "sinks" in x else None
     seg = None
