@@ -66,7 +66,7 @@ def dropout_keep_reference(seed, rate, batch, heads, seq):
     return x >= np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 
-def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, rate=0.0):
+def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, rate=0.0, counts=None):
     b, t, h, d = q.shape
     g = h // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
@@ -78,11 +78,16 @@ def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, ra
         dist = np.abs(np.arange(t)[:, None] - np.arange(t)[None, :])
         s = s - slopes[None, :, None, None] * dist
     mask = jnp.asarray(mask)[:, None]  # [B|1, 1, T, T]
+    weight = 1.0
+    if counts is not None:  # [B|1, H|1, T, T]: key j enters row i's softmax counts[i, j] times
+        counts = jnp.asarray(counts, jnp.float64)
+        mask = mask & (counts > 0)
+        weight = counts
     mx = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
     if sinks is not None:
         mx = jnp.maximum(mx, jax.lax.stop_gradient(sinks)[None, :, None])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    e = jnp.where(mask, jnp.exp(s - mx[..., None]), 0.0)
+    e = jnp.where(mask, jnp.exp(s - mx[..., None]) * weight, 0.0)
     total = e.sum(-1)
     if sinks is not None:
         total = total + jnp.exp(sinks[None, :, None] - mx)
@@ -99,9 +104,14 @@ def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, ra
 def attention_reference(
     q, k, v, *, causal=False, window=None, segment_ids=None, softmax_scale=None, logits_soft_cap=None,
     sinks=None, chunk_size=None, num_sink_tokens=0, alibi_slopes=None, dropout_rate=0.0, dropout_seed=None,
-    dout=None, dlse=None,
+    dout=None, dlse=None, counts=None,
 ):
     """Float64 (out, lse) and, given cotangents, gradients (dq, dk, dv, dsinks, dalibi).
+
+    `counts` (optional, [B or 1, H or 1, T, T], bool or non-negative numbers) is a
+    per-head multiplicity on top of the other masks: key j enters query i's softmax
+    counts[..., i, j] times (0: not at all), as when partial results that share keys
+    are merged through their lse.
 
     The loss whose gradient is returned is sum(out * dout) + sum(lse * dlse) over
     rows with finite lse.
@@ -118,7 +128,7 @@ def attention_reference(
 
         def f(q, k, v, s, a):
             return _attention64(q, k, v, s, a, mask=mask, scale=scale, soft_cap=logits_soft_cap, keep=keep,
-                                rate=dropout_rate)
+                                rate=dropout_rate, counts=counts)
 
         out, lse = f(*args, *extra)
         result = {"out": np.asarray(out), "lse": np.asarray(lse)}
