@@ -23,21 +23,22 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None, chunk_si
         if causal:
             right = 0
         m &= (j >= i - left) & (j <= i + right)
-    if chunk_size is not None:
-        m &= i // chunk_size == j // chunk_size
     m = m[None]
     same = np.ones((1, seq, seq), bool)
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         same = (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
     m = m & same
+    # offset of each token within its run of equal ids (the whole sequence without segments)
+    seg = np.zeros((1, seq), int) if segment_ids is None else np.asarray(segment_ids)
+    offset = np.zeros(seg.shape, int)
+    for b in range(seg.shape[0]):
+        for t in range(1, seq):
+            offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    if chunk_size is not None:  # chunks restart at every document
+        chunk = offset // chunk_size
+        m = m & (chunk[:, :, None] == chunk[:, None, :])
     if num_sink_tokens:
-        # the first s tokens of each run of equal ids (of the whole sequence without segments)
-        seg = np.zeros((1, seq), int) if segment_ids is None else np.asarray(segment_ids)
-        offset = np.zeros(seg.shape, int)
-        for b in range(seg.shape[0]):
-            for t in range(1, seq):
-                offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
         sink = (offset < num_sink_tokens)[:, None, :] & same
         if causal:
             sink &= (j <= i)[None]
