@@ -171,3 +171,17 @@ def call_unchecked_vma(fn, out_shapes, *args):
     """fn(*args) -> list of arrays with `out_shapes` [(shape, dtype)], varying like the union of args."""
     out_shapes = tuple((tuple(s), jax.numpy.dtype(d)) for s, d in out_shapes)
     return _unchecked_primitive().bind(*args, fn=fn, out_shapes=out_shapes)
+
+
+def gather_axis(x, axis: int):
+    """Undo explicit sharding of dimension `axis` (the one-device path needs whole sequences)."""
+    spec = sharding_spec(x)
+    if spec is None or len(spec) <= axis or spec[axis] is None:
+        return x
+    new = tuple(None if i == axis else e for i, e in enumerate(tuple(spec) + (None,) * (x.ndim - len(spec))))
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    concrete = getattr(x, "sharding", None)
+    if isinstance(concrete, NamedSharding):
+        return jax.device_put(x, NamedSharding(concrete.mesh, PartitionSpec(*new)))
+    return jax.reshard(x, PartitionSpec(*new))

@@ -165,6 +165,9 @@ def ring_attention(
         extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
         return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
 
+    if mode == "single":
+        q, k, v = (_compat.gather_axis(x, 1) for x in (q, k, v))
+        segment_ids = None if segment_ids is None else _compat.gather_axis(segment_ids, 1)
     if mode != "global":
         out, lse = per_device(q, k, v, segment_ids, sinks, alibi_slopes, seed)
     else:

@@ -20,7 +20,7 @@ class TokenInfo(NamedTuple):
 
     pos: jnp.ndarray  # [T] int32 global positions
     seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
-    segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens only)
+    segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
 
 
 class BlockRange(NamedTuple):
@@ -56,8 +56,6 @@ def _base(opts: AttentionOptions, qp, kp):
     if opts.window is not None:
         left, right = opts.window
         vis &= (kp >= qp - left) & (kp <= qp + right)
-    if opts.chunk_size is not None:
-        vis &= qp // opts.chunk_size == kp // opts.chunk_size
     return vis
 
 
@@ -70,6 +68,13 @@ def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
         # negative ids mark padding: it sees nothing and nothing sees it
         same = (q.seg[:, :, None] == k.seg[:, None, :]) & (q.seg >= 0)[:, :, None]
     base = _base(opts, qp, kp)[None] & same
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        # chunks start at each packed document's first token (global position 0 without segments)
+        if opts.has_segments:
+            base &= (q.segpos // c)[:, :, None] == (k.segpos // c)[:, None, :]
+        else:
+            base &= (qp // c == kp // c)[None]
     if not opts.num_sink_tokens or opts.sink_mode == "exclude":
         return base
     # sink tokens: the first s tokens of the query's own segment, never in its future
@@ -93,7 +98,10 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
         base &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
     if opts.chunk_size is not None:
         c = opts.chunk_size
-        base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
+        if opts.has_segments:  # chunk ids restart per document: only the distance bound is known
+            base &= (k.pos_hi >= q.pos_lo - (c - 1)) & (k.pos_lo <= q.pos_hi + (c - 1))
+        else:
+            base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
     if not opts.num_sink_tokens or opts.sink_mode == "exclude":
         return base
     sink = same & (k.segpos_lo < opts.num_sink_tokens)
@@ -117,6 +125,8 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
         ok &= (k.pos_lo >= q.pos_hi - left) & (k.pos_hi <= q.pos_lo + right)
     if opts.chunk_size is not None:
         c = opts.chunk_size
+        if opts.has_segments:
+            return jnp.asarray(False)  # per-document chunks: never claimed whole
         ok &= (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (q.pos_lo // c == k.pos_lo // c)
     if opts.has_segments:
         ok &= (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi) & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)

@@ -69,7 +69,7 @@ def _run_step(opts, kernel, q_info, k_info, compute, empty):
 def _segment_offsets(seg, pos, opts: AttentionOptions):
     """Offset [B or 1, T] of each local token within its run of equal segment ids.
 
-    Only sink tokens need it. A run may begin on another shard, so the segment ids
+    Sink tokens and per-document chunks need it. A run may begin on another shard, so the segment ids
     of the whole sequence (a few bytes per token) are gathered once.
     """
     if not opts.has_segments:
@@ -89,7 +89,8 @@ def _segment_offsets(seg, pos, opts: AttentionOptions):
 def _infos(opts, shard, q, q_seg):
     t = q.shape[1]
     pos = local_positions(opts.layout, shard, opts.axis_size, t)
-    segpos = _segment_offsets(q_seg, pos, opts) if opts.num_sink_tokens else None
+    needs = opts.num_sink_tokens or (opts.chunk_size is not None and opts.has_segments)
+    segpos = _segment_offsets(q_seg, pos, opts) if needs else None
     return TokenInfo(pos, q_seg, segpos)
 
 

@@ -23,21 +23,22 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None, chunk_si
         if causal:
             right = 0
         m &= (j >= i - left) & (j <= i + right)
-    if chunk_size is not None:
-        m &= i // chunk_size == j // chunk_size
     m = m[None]
     same = np.ones((1, seq, seq), bool)
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
         same = (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
     m = m & same
+    # offset of each token within its run of equal ids (the whole sequence without segments)
+    seg = np.zeros((1, seq), int) if segment_ids is None else np.asarray(segment_ids)
+    offset = np.zeros(seg.shape, int)
+    for b in range(seg.shape[0]):
+        for t in range(1, seq):
+            offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    if chunk_size is not None:  # chunks restart at every document
+        chunk = offset // chunk_size
+        m = m & (chunk[:, :, None] == chunk[:, None, :])
     if num_sink_tokens:
-        # the first s tokens of each run of equal ids (of the whole sequence without segments)
-        seg = np.zeros((1, seq), int) if segment_ids is None else np.asarray(segment_ids)
-        offset = np.zeros(seg.shape, int)
-        for b in range(seg.shape[0]):
-            for t in range(1, seq):
-                offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
         sink = (offset < num_sink_tokens)[:, None, :] & same
         if causal:
             sink &= (j <= i)[None]
@@ -66,7 +67,7 @@ def dropout_keep_reference(seed, rate, batch, heads, seq):
     return x >= np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 
-def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, rate=0.0):
+def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, rate=0.0, counts=None):
     b, t, h, d = q.shape
     g = h // k.shape[2]
     k = jnp.repeat(k, g, axis=2)
@@ -78,11 +79,16 @@ def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, ra
         dist = np.abs(np.arange(t)[:, None] - np.arange(t)[None, :])
         s = s - slopes[None, :, None, None] * dist
     mask = jnp.asarray(mask)[:, None]  # [B|1, 1, T, T]
+    weight = 1.0
+    if counts is not None:  # [B|1, H|1, T, T]: key j enters row i's softmax counts[i, j] times
+        counts = jnp.asarray(counts, jnp.float64)
+        mask = mask & (counts > 0)
+        weight = counts
     mx = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
     if sinks is not None:
         mx = jnp.maximum(mx, jax.lax.stop_gradient(sinks)[None, :, None])
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    e = jnp.where(mask, jnp.exp(s - mx[..., None]), 0.0)
+    e = jnp.where(mask, jnp.exp(s - mx[..., None]) * weight, 0.0)
     total = e.sum(-1)
     if sinks is not None:
         total = total + jnp.exp(sinks[None, :, None] - mx)
@@ -99,9 +105,14 @@ def _attention64(q, k, v, sinks, slopes, *, mask, scale, soft_cap, keep=None, ra
 def attention_reference(
     q, k, v, *, causal=False, window=None, segment_ids=None, softmax_scale=None, logits_soft_cap=None,
     sinks=None, chunk_size=None, num_sink_tokens=0, alibi_slopes=None, dropout_rate=0.0, dropout_seed=None,
-    dout=None, dlse=None,
+    dout=None, dlse=None, counts=None,
 ):
     """Float64 (out, lse) and, given cotangents, gradients (dq, dk, dv, dsinks, dalibi).
+
+    `counts` (optional, [B or 1, H or 1, T, T], bool or non-negative numbers) is a
+    per-head multiplicity on top of the other masks: key j enters query i's softmax
+    counts[..., i, j] times (0: not at all), as when partial results that share keys
+    are merged through their lse.
 
     The loss whose gradient is returned is sum(out * dout) + sum(lse * dlse) over
     rows with finite lse.
@@ -118,7 +129,7 @@ def attention_reference(
 
         def f(q, k, v, s, a):
             return _attention64(q, k, v, s, a, mask=mask, scale=scale, soft_cap=logits_soft_cap, keep=keep,
-                                rate=dropout_rate)
+                                rate=dropout_rate, counts=counts)
 
         out, lse = f(*args, *extra)
         result = {"out": np.asarray(out), "lse": np.asarray(lse)}

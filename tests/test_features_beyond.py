@@ -14,6 +14,7 @@ BLOCKS = XlaConfig(block_q=4, block_kv=4)
 CASES = {
     "chunked_causal": ({}, dict(causal=True, chunk_size=12)),
     "chunk_bidirectional_segments": (dict(segments="random"), dict(chunk_size=8)),
+    "chunked_causal_packed": (dict(segments="random"), dict(causal=True, chunk_size=5)),
     "alibi": (dict(alibi=True), dict(causal=True)),
     "alibi_softcap_window": (dict(alibi=True, sinks=True), dict(sliding_window=(6, 3), logits_soft_cap=3.0)),
     "sink_tokens_window": ({}, dict(causal=True, sliding_window=5, num_sink_tokens=3)),

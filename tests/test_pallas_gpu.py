@@ -31,7 +31,7 @@ CASES = [
     (2, "contiguous", "float32", dict(seq=64, segments="random", sinks=True), dict(causal=True)),
     (4, "striped", "float32", dict(seq=64, heads=4, kv_heads=1), dict()),
     (2, "contiguous", "float32", dict(seq=64, batch=1, head_dim=32), dict(sliding_window=(5, 20))),
-    (2, "zigzag", "float32", dict(seq=64, segments="random"), dict(causal=True, chunk_size=24)),
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True, chunk_size=24)),
 ]
 
 
@@ -92,8 +92,10 @@ def _problem(**kw):
     return registry.Problem(**base)
 
 
-@pytest.mark.parametrize("kw", [dict(dropout_rate=0.1), dict(num_sink_tokens=2), dict(alibi=True)])
+@pytest.mark.parametrize("kw", [dict(dropout_rate=0.1), dict(num_sink_tokens=2), dict(alibi=True),
+                                dict(chunk_size=8, segment_ids=jnp.zeros((1, 32), jnp.int32))])
 def test_refuses_what_it_lacks(kw):
+    kw = dict(kw)
     q = jnp.ones((1, 32, 2, 16))
     extra = {"alibi_slopes": jnp.ones(2)} if kw.pop("alibi", False) else {}
     if "dropout_rate" in kw:

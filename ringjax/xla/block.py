@@ -151,7 +151,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
     prec = _precision(q.dtype)
     qb = _split_q(q, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
-    qpos, qseg, _, qrng = _blocks(q_info, nq, bq)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
     kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
     skip = may_skip(opts)
 
@@ -166,7 +166,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
         def kv_block(j, carry):
             def compute(carry):
                 m, l, acc = carry
-                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i)),
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
                              TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
                 s = tile.logits(logits(qk, opts))
@@ -208,7 +208,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lseb, deltab = _split_rows(lse, nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
     lseb = jnp.where(jnp.isfinite(lseb), lseb, 0.0)  # masked rows: all scores -inf, P = 0
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
-    qpos, qseg, _, qrng = _blocks(q_info, nq, bq)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
     kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
     skip = may_skip(opts)
     refs = (q, k, dout)
@@ -220,7 +220,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         def q_block(i, carry):
             def compute(carry):
                 dq_acc, dslopes, dk, dv = carry
-                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i)),
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
                              TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qi, doi = qb[i], dob[i]
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32, precision=prec)

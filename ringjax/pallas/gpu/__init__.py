@@ -38,6 +38,9 @@ def _refusal(problem: Problem) -> str | None:
                        (opts.num_sink_tokens > 0, "sink tokens (num_sink_tokens)")):
         if flag:
             return f"{what} is not implemented in the Pallas GPU kernels yet (use implementation='xla')"
+    if opts.chunk_size is not None and opts.has_segments:
+        return ("chunk_size with segment_ids (per-document chunks) is not implemented in the Pallas GPU kernels "
+                "yet (use implementation='xla')")
     d = problem.head_dim
     if d < MIN_BLOCK or d > 256 or d & (d - 1):
         return f"head_dim {d} is not supported: needs a power of two in [16, 256] (pad q/k/v or use 'xla')"

@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
