@@ -101,7 +101,9 @@ def _sink_onehot(pos, s, dtype):
 def _sink_kv(x, pos, opts):
     """K or V of the first s global tokens, on every device (only without segments)."""
     s = opts.num_sink_tokens
-    part = jnp.einsum("sl,blhd->bshd", _sink_onehot(pos, s, x.dtype), x, preferred_element_type=jnp.float32)
+    # HIGHEST: a one-hot product must copy values exactly (no TF32 rounding on GPUs)
+    part = jnp.einsum("sl,blhd->bshd", _sink_onehot(pos, s, x.dtype), x, preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST)
     return lax.psum(part, opts.axis_name).astype(x.dtype)
 
 
@@ -182,7 +184,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
     plan = ring_plan(opts, t)
     ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
     # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
-    delta = jnp.einsum("bthd,bthd->bht", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
     delta = delta - dlse.astype(jnp.float32)
     q_info = _infos(opts, shard, q, q_seg)
     alibi = extras.alibi_slopes is not None
@@ -221,8 +223,9 @@ def _bwd_rule(opts, kernel, config, res, cts):
         dslopes = None if dsl_s is None else dslopes + dsl_s
         onehot = _sink_onehot(q_info.pos, opts.num_sink_tokens, jnp.float32)
         # every device touched the sink keys: sum, then each owner keeps its own slots
-        dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name))
-        dv = dv + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dv_s, opts.axis_name))
+        hi = lax.Precision.HIGHEST
+        dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name), precision=hi)
+        dv = dv + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dv_s, opts.axis_name), precision=hi)
 
     dsinks = None
     if sinks is not None:

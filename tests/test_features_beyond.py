@@ -30,7 +30,7 @@ def test_feature(case, n):
     shape_kw, kw = CASES[case]
     layout = LAYOUTS[(n + sorted(CASES).index(case)) % 3]
     x = make_inputs(n * 31 + sorted(CASES).index(case), seq=32, **shape_kw)
-    got = run_ring(x, n, layout=layout, config=BLOCKS, **kw)
+    got = run_ring(x, n, layout=layout, implementation="xla", config=BLOCKS, **kw)
     check_against_reference(got, reference_for(x, **kw), "float32")
 
 
@@ -38,8 +38,8 @@ def test_feature(case, n):
 def test_dropout_mask_is_independent_of_ring_size_and_layout(layout):
     x = make_inputs(3, seq=32, dropout_key=5)
     kw = dict(causal=True, dropout_rate=0.5)
-    one = run_ring(x, 1, config=BLOCKS, **kw)
-    many = run_ring(x, 4, layout=layout, config=BLOCKS, **kw)
+    one = run_ring(x, 1, implementation="xla", config=BLOCKS, **kw)
+    many = run_ring(x, 4, layout=layout, implementation="xla", config=BLOCKS, **kw)
     np.testing.assert_allclose(many["out"], one["out"], rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(many["dq"], one["dq"], rtol=2e-5, atol=2e-6)
 
