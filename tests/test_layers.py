@@ -98,7 +98,10 @@ def _loss_and_grads(apply, params, x, seg, dout):
         out = apply(p, x, seg)
         return (out * dout).sum(), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+    # float32 projections in full precision: GPUs would otherwise round them to TF32, and this test
+    # is about sharding, not about matmul precision
+    with jax.default_matmul_precision("highest"):
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
     return out, grads
 
 
