@@ -38,17 +38,35 @@ def block_range(info: TokenInfo) -> BlockRange:
 
 def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
     """Exact mask, bool [B or 1, Tq, Tk]."""
-    qp = q.pos[:, None]
-    kp = k.pos[None, :]
-    vis = jnp.ones((q.pos.shape[0], k.pos.shape[0]), bool)
+    vis = visible_pairs(
+        opts,
+        q.pos[:, None],
+        k.pos[None, :],
+        None if q.seg is None else q.seg[:, :, None],
+        None if k.seg is None else k.seg[:, None, :],
+    )
+    return vis if vis.ndim == 3 else vis[None]
+
+
+def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None) -> jnp.ndarray:
+    """`visible` on operands that already broadcast against each other.
+
+    Kernels working on 2-D tiles pass q_pos, q_seg as columns [Tq, 1] and k_pos,
+    k_seg as rows [1, Tk]; the mask has the broadcast shape of the operands.
+    """
+    rules = []
     if opts.causal:
-        vis &= kp <= qp
+        rules.append(k_pos <= q_pos)
     if opts.window is not None:
         left, right = opts.window
-        vis &= (kp >= qp - left) & (kp <= qp + right)
-    vis = vis[None]
+        rules.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
     if opts.has_segments:
-        vis = vis & (q.seg[:, :, None] == k.seg[:, None, :])
+        rules.append(q_seg == k_seg)
+    if not rules:
+        return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+    vis = rules[0]
+    for rule in rules[1:]:
+        vis = vis & rule
     return vis
 
 

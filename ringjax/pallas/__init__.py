@@ -1,0 +1,1 @@
+"""Pallas backends: one subpackage per platform (tpu, gpu), imported only when selected."""

@@ -1,0 +1,60 @@
+"""Pallas TPU backend: flash-attention block kernels in the ppermute ring, or one fused ring kernel.
+
+Registered as "pallas_tpu" (TPU) and "pallas_tpu_interpret" (the same kernels in the
+Pallas TPU interpreter on CPU; only when named explicitly, for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringjax.pallas.tpu.block import block_bwd, block_fwd
+from ringjax.pallas.tpu.config import TpuConfig, pick_block, refusal, sublanes
+from ringjax.registry import Problem
+from ringjax.ring import BlockKernel, ring_attention_shard
+
+KERNEL = BlockKernel(name="pallas_tpu", fwd=block_fwd, bwd=block_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuImplementation:
+    name: str = "pallas_tpu"
+    config_type: type = TpuConfig
+    interpret: bool = False  # the CPU-interpreter registration
+
+    def supports(self, problem: Problem) -> str | None:
+        return refusal(opts=problem.opts, seq=problem.seq, head_dim=problem.head_dim, dtype=problem.dtype)
+
+    def default_config(self, problem: Problem) -> TpuConfig:
+        # about 1024 query rows (all heads of one KV head) per tile keeps the score tile in VMEM
+        block_q = max(sublanes(problem.dtype), 1024 // problem.gqa_ratio)
+        return TpuConfig(block_q=block_q, block_kv=512, interpret=self.interpret)
+
+    def candidate_configs(self, problem: Problem) -> list[TpuConfig]:
+        align = sublanes(problem.dtype)
+        opts = problem.opts
+        sizes = lambda wants: sorted({pick_block(problem.seq, w, opts, align) for w in wants})  # noqa: E731
+        return [
+            TpuConfig(block_q=bq, block_kv=bk, fused=fused, interpret=self.interpret)
+            for bq in sizes((128, 256, 512, 1024))
+            for bk in sizes((256, 512, 1024, 2048))
+            for fused in (False, True)
+            if bq * problem.gqa_ratio <= 4096
+        ]
+
+    def run(self, problem: Problem, config: TpuConfig, q, k, v, q_seg, kv_seg, sinks):
+        if self.interpret and not config.interpret:
+            raise ValueError(
+                f"{self.name} runs the TPU kernels in the Pallas interpreter: pass TpuConfig(interpret=True)"
+            )
+        if config.fused:
+            from ringjax.pallas.tpu.ring import fused_ring_attention
+
+            return fused_ring_attention(problem.opts, config, q, k, v, q_seg, kv_seg, sinks)
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks)
+
+
+IMPLEMENTATION = TpuImplementation()
+INTERPRET_IMPLEMENTATION = TpuImplementation(name="pallas_tpu_interpret", interpret=True)
+
+__all__ = ["IMPLEMENTATION", "INTERPRET_IMPLEMENTATION", "KERNEL", "TpuConfig", "block_bwd", "block_fwd"]
