@@ -8,7 +8,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ringjax import _compat, registry
+from ringjax import _compat, autotuning, registry
 from ringjax.options import check_inputs, make_options
 
 OP = "ring_attention"
@@ -80,6 +80,7 @@ def ring_attention(
     mesh=None,
     implementation: str = "auto",
     config=None,
+    autotune: str | None = None,
 ):
     """Exact attention over a sequence sharded along mesh axis `axis_name`.
 
@@ -89,6 +90,11 @@ def ring_attention(
     see `to_layout`. Returns out [batch, seq, heads, head_dim] in q's dtype and,
     with `return_lse`, lse [batch, heads, seq] float32 (natural log, -inf for rows
     that see no key).
+
+    `implementation` is "auto" or a registered name (see `list_implementations`);
+    `config` fixes that implementation's config. Otherwise `autotune` ("off" |
+    "cached" | "on", default $RINGJAX_AUTOTUNE or "cached") says whether cached
+    tuned configs are used and whether missing ones are measured; see docs/autotune.md.
     """
     mode, axis_size, mesh_obj = _resolve_axis(axis_name, mesh)
     if not isinstance(return_lse, bool):
@@ -131,11 +137,8 @@ def ring_attention(
         dtype=str(q.dtype),
         platform=registry.current_platform(),
     )
-    _, impl = registry.choose(OP, implementation, problem)
-    if config is None:
-        config = impl.default_config(problem)
-    elif not isinstance(config, impl.config_type):
-        raise TypeError(f"config for {impl.name!r} must be a {impl.config_type.__name__}, got {type(config).__name__}")
+    reg, impl = registry.choose(OP, implementation, problem)
+    config = autotuning.select_config(OP, reg, impl, problem, config, policy=autotune)
 
     def per_device(q, k, v, seg, sinks):
         if sinks is not None and axis_name is not None:

@@ -25,10 +25,13 @@ def _check(layout: str, axis_size: int, seq: int) -> None:
         raise ValueError(f"sequence length {seq} must be divisible by {chunks} for layout {layout!r}")
 
 
-def local_positions(layout: str, shard, axis_size: int, local_len: int):
-    """Global positions [local_len] (int32) of the tokens held by `shard` (may be traced)."""
-    t = jnp.arange(local_len, dtype=jnp.int32)
-    shard = jnp.asarray(shard, jnp.int32)
+def local_positions(layout: str, shard, axis_size: int, local_len: int, xp=jnp):
+    """Global positions [local_len] (int32) of the tokens held by `shard` (may be traced).
+
+    `xp=numpy` gives a concrete array for a static shard index (usable inside jit).
+    """
+    t = xp.arange(local_len, dtype=xp.int32)
+    shard = xp.asarray(shard, xp.int32)
     if layout == "contiguous":
         return shard * local_len + t
     if layout == "striped":
@@ -36,8 +39,8 @@ def local_positions(layout: str, shard, axis_size: int, local_len: int):
     if layout == "zigzag":
         half = local_len // 2
         # first half is chunk `shard`, second half is chunk 2N-1-shard
-        chunk = jnp.where(t < half, shard, 2 * axis_size - 1 - shard)
-        return chunk * half + t % half
+        chunk = xp.where(t < half, shard, 2 * axis_size - 1 - shard)
+        return (chunk * half + t % half).astype(xp.int32)
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
@@ -45,7 +48,7 @@ def _permutation(layout: str, axis_size: int, seq: int) -> np.ndarray:
     """perm[i] = global position stored at index i of the reordered array."""
     local = seq // axis_size
     return np.concatenate(
-        [np.asarray(local_positions(layout, s, axis_size, local)) for s in range(axis_size)]
+        [local_positions(layout, s, axis_size, local, xp=np) for s in range(axis_size)]
     )
 
 

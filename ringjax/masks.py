@@ -61,7 +61,8 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None) 
         left, right = opts.window
         rules.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
     if opts.has_segments:
-        rules.append(q_seg == k_seg)
+        # negative ids mark padding: it sees nothing and nothing sees it
+        rules.append((q_seg == k_seg) & (q_seg >= 0))
     if not rules:
         return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
     vis = rules[0]
@@ -80,7 +81,7 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
         ok &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
-        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo)
+        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
     return ok
 
 

@@ -8,7 +8,9 @@ importing ringjax never imports an optional backend.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import math
 from typing import Any, Protocol
 
 import jax
@@ -28,6 +30,13 @@ class Problem:
     head_dim: int
     dtype: str
     platform: str
+    device_kind: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" = not resolved yet (see resolved())
+
+    def resolved(self) -> Problem:
+        """This problem with `device_kind` filled in from the first device of `platform`."""
+        if self.device_kind:
+            return self
+        return dataclasses.replace(self, device_kind=current_device_kind(self.platform))
 
     @property
     def gqa_ratio(self) -> int:
@@ -80,12 +89,23 @@ def register(op: str, name: str, *, platforms, priority: int, target: str, auto:
     return reg
 
 
+def unregister(op: str, name: str) -> None:
+    """Remove an implementation (KeyError if it is not registered)."""
+    del _REGISTRY[(op, name)]
+
+
 def registrations(op: str) -> list[Registration]:
     return sorted((r for r in _REGISTRY.values() if r.op == op), key=lambda r: -r.priority)
 
 
 def current_platform() -> str:
     return jax.default_backend()
+
+
+@functools.lru_cache(maxsize=None)
+def current_device_kind(platform: str | None = None) -> str:
+    """`device_kind` of the first device of `platform` (default backend if None)."""
+    return str(jax.devices(platform)[0].device_kind)
 
 
 def refusal(reg: Registration, problem: Problem) -> str | None:
@@ -132,6 +152,61 @@ def list_implementations(op: str = "ring_attention") -> list[dict[str, Any]]:
         }
         for r in registrations(op)
     ]
+
+
+def config_to_json(config) -> dict[str, Any]:
+    """A frozen-dataclass config as a JSON-ready dict of its fields (tuples become lists)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"config must be a dataclass instance, got {type(config).__name__}")
+    return {f.name: _to_json(getattr(config, f.name), f"{type(config).__name__}.{f.name}")
+            for f in dataclasses.fields(config)}
+
+
+def config_from_json(config_type: type, data: Any):
+    """Rebuild a `config_type` from `config_to_json` output; ValueError if it does not fit.
+
+    Unknown or missing fields and values the config's own validation rejects all
+    raise ValueError naming the config type, so a stale cache entry is detectable.
+    """
+    name = getattr(config_type, "__name__", repr(config_type))
+    if not (isinstance(config_type, type) and dataclasses.is_dataclass(config_type)):
+        raise TypeError(f"config_type must be a dataclass type, got {config_type!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} JSON must be an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(config_type) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{name} has no field(s) {unknown}; fields are {sorted(fields)}")
+    missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{name} JSON lacks required field(s) {missing}")
+    kwargs = {key: _from_json(value, f"{name}.{key}") for key, value in data.items()}
+    try:
+        return config_type(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid {name} JSON {data!r}: {e}") from e
+
+
+def _to_json(value, where: str):
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} = {value} is not representable in JSON")
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v, where) for v in value]
+    raise TypeError(f"{where} has type {type(value).__name__}; configs hold only None, bool, int, float, "
+                    "str and tuples of those")
+
+
+def _from_json(value, where: str):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return tuple(_from_json(v, where) for v in value)
+    raise ValueError(f"{where}: unexpected JSON value {value!r}")
 
 
 register("ring_attention", "xla", platforms=("cpu", "gpu", "tpu"), priority=0, target="ringjax.xla:IMPLEMENTATION")

@@ -19,8 +19,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
 def make_inputs(seed, *, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtype="float32",
                 segments=None, sinks=False):
-    """Fresh random q, k, v (and cotangents); `segments` is a list of segment lengths or
-    "random" for random packing with some fully masked rows is the caller's job."""
+    """Fresh random q, k, v and cotangents, exactly representable in `dtype`.
+
+    `segments`: None, a list of segment lengths, or "random" (packed documents with padding).
+    """
     rng = np.random.default_rng(seed)
     x = {
         "q": rng.standard_normal((batch, seq, heads, head_dim)),
@@ -42,11 +44,14 @@ def make_inputs(seed, *, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtyp
 
 
 def random_segments(rng, batch, seq):
-    """Packed documents of random lengths (some of length 1), crossing shard boundaries."""
+    """Packed documents of random lengths crossing shard boundaries, with padding (-1) at the end
+    of some rows: padded rows see no key at all."""
     out = np.zeros((batch, seq), np.int32)
     for b in range(batch):
         cuts = np.sort(rng.choice(np.arange(1, seq), size=min(seq - 1, rng.integers(2, 7)), replace=False))
         out[b] = np.searchsorted(cuts, np.arange(seq), side="right")
+        if b % 2 == 0:
+            out[b, seq - rng.integers(1, max(1, seq // 4) + 1):] = -1
     return out
 
 
@@ -120,7 +125,7 @@ def rel_err(got, ref):
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     finite = np.isfinite(ref)
     assert np.array_equal(finite, np.isfinite(got)), "non-finite entries differ from the reference"
-    num = np.linalg.norm(np.where(finite, got - ref, 0.0))
+    num = np.linalg.norm(np.where(finite, got, 0.0) - np.where(finite, ref, 0.0))
     den = max(np.linalg.norm(np.where(finite, ref, 0.0)), 1e-30)
     return num / den
 

@@ -26,7 +26,7 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None):
     m = m[None]
     if segment_ids is not None:
         seg = np.asarray(segment_ids)
-        m = m & (seg[:, :, None] == seg[:, None, :])
+        m = m & (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
     return m
 
 

@@ -1,0 +1,290 @@
+"""Command line: inspect, ship and pre-tune configs.
+
+    python -m ringjax implementations
+    python -m ringjax cache list|show|clear|export|import ...
+    python -m ringjax tune --batch 1 --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --axis-size 8 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _cache_entries_table(entries: dict, current: dict | None) -> list[str]:
+    lines = []
+    for kid, entry in sorted(entries.items(), key=lambda kv: json.dumps(kv[1]["key"], sort_keys=True)):
+        key = entry["key"]
+        shape = key.get("shape", {})
+        feats = key.get("features", {})
+        on = []
+        for name, value in sorted(feats.items()):
+            if value is True:
+                on.append(name.removeprefix("has_"))
+            elif name == "window" and value is not None:
+                on.append(f"window={value}")
+            elif name == "layout" and value != "contiguous":
+                on.append(str(value))
+            elif name == "gqa_ratio" and value != 1:
+                on.append(f"gqa={value}")
+        versions = key.get("versions")
+        state = "" if versions is None or current is None else ("" if versions == current else "  [stale]")
+        timing = f"  {entry['median_s'] * 1e3:.3f} ms" if isinstance(entry.get("median_s"), (int, float)) else ""
+        lines.append(
+            f"{kid}  {key.get('implementation')} {key.get('dtype')} "
+            f"B={shape.get('batch')} T={shape.get('seq')} H={shape.get('heads')}/{shape.get('kv_heads')} "
+            f"D={shape.get('head_dim')} ring={key.get('axis_size')} {','.join(on) or '-'}"
+            f"  -> {json.dumps(entry['config'], sort_keys=True)}{timing}{state}"
+        )
+    return lines
+
+
+def _load_file(path: Path):
+    from ringjax import cache
+
+    try:
+        return cache.read_document(path), None
+    except (cache.CacheFileError, OSError, UnicodeDecodeError) as e:
+        return None, str(e)
+
+
+def _cmd_implementations(args) -> int:
+    from ringjax import list_implementations
+
+    for impl in list_implementations(args.op):
+        here = "runs here" if impl["runs_here"] else "not on this platform"
+        print(f"{impl['name']:<12} priority {impl['priority']:<4} {','.join(impl['platforms']):<16} {here}")
+    return 0
+
+
+def _cmd_cache_list(args) -> int:
+    from ringjax import cache
+
+    print(f"user cache: {cache.cache_dir()}")
+    for label, files in (("user", cache.user_files()), ("shipped", cache.shipped_files())):
+        for path in files:
+            doc, err = _load_file(path)
+            if doc is None:
+                print(f"  {label:<8} {path.name}: unreadable ({err})")
+                continue
+            n = len(doc["entries"])
+            print(f"  {label:<8} {path.name}: {doc.get('device_kind')!r}, {n} entr{'y' if n == 1 else 'ies'}")
+    return 0
+
+
+def _selected_files(args) -> list[Path]:
+    from ringjax import cache
+
+    files = cache.user_files()
+    if args.device_kind:
+        files = [p for p in files if p == cache.user_path(args.device_kind)]
+    return files
+
+
+def _cmd_cache_show(args) -> int:
+    from ringjax import cache
+
+    current = cache.versions()
+    files = list(_selected_files(args))
+    if args.shipped:
+        files += [p for p in cache.shipped_files() if not args.device_kind or p == cache.shipped_path(args.device_kind)]
+    if not files:
+        print(f"no cached configs{' for ' + repr(args.device_kind) if args.device_kind else ''} "
+              f"in {cache.cache_dir()}")
+    for path in files:
+        doc, err = _load_file(path)
+        if doc is None:
+            print(f"{path}: unreadable ({err})")
+            continue
+        if args.json:
+            print(json.dumps(doc, indent=1, sort_keys=True))
+            continue
+        print(f"{path} ({doc.get('device_kind')!r}):")
+        for line in _cache_entries_table(doc["entries"], current):
+            print("  " + line)
+    return 0
+
+
+def _cmd_cache_clear(args) -> int:
+    from ringjax import cache
+
+    for path in _selected_files(args):
+        doc, _ = _load_file(path)
+        kind = doc.get("device_kind", path.stem) if doc else path.stem
+        store = cache.Store(path, kind)
+        if args.stale:
+            stale = [kid for kid, e in (doc or {"entries": {}})["entries"].items() if not cache.is_current(e)]
+            store.remove(stale)
+            print(f"{path}: removed {len(stale)} stale entr{'y' if len(stale) == 1 else 'ies'}")
+        else:
+            store.clear()
+            print(f"{path}: removed")
+    return 0
+
+
+def _cmd_cache_export(args) -> int:
+    from ringjax import cache, registry
+
+    kind = args.device_kind or registry.current_device_kind()
+    doc, err = _load_file(cache.user_path(kind))
+    if doc is None:
+        print(f"nothing to export for {kind!r}: {err}", file=sys.stderr)
+        return 1
+    out = cache.empty_document(kind)
+    for entry in doc["entries"].values():
+        if not args.all_versions and not cache.is_current(entry):
+            continue
+        entry = dict(entry)
+        if args.portable:
+            entry["key"] = {k: v for k, v in entry["key"].items() if k != "versions"}
+        out["entries"][cache.key_id(entry["key"])] = entry
+    text = json.dumps(out, indent=1, sort_keys=True) + "\n"
+    if args.file == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.file).write_text(text)
+        print(f"exported {len(out['entries'])} entries for {kind!r} to {args.file}")
+    return 0
+
+
+def _cmd_cache_import(args) -> int:
+    from ringjax import cache
+
+    doc, err = _load_file(Path(args.file))
+    if doc is None:
+        print(f"cannot import {args.file}: {err}", file=sys.stderr)
+        return 1
+    kind = args.device_kind or doc.get("device_kind")
+    if not isinstance(kind, str) or not kind:
+        print(f"{args.file} names no device_kind; pass --device-kind", file=sys.stderr)
+        return 1
+    current = cache.versions()
+    entries, stale = {}, 0
+    for entry in doc["entries"].values():
+        entry = dict(entry)
+        if "versions" not in entry["key"]:  # a portable export: adopt it for the versions installed here
+            entry["key"] = {**entry["key"], "versions": current}
+        stale += entry["key"]["versions"] != current
+        entries[cache.key_id(entry["key"])] = entry
+    if not cache.user_store(kind).merge(entries):
+        return 1
+    print(f"imported {len(entries)} entries into {cache.user_path(kind)}"
+          + (f" ({stale} tuned with other versions, unused here)" if stale else ""))
+    return 0
+
+
+def _cmd_tune(args) -> int:
+    import datetime
+
+    import jax
+
+    from ringjax import autotuning, registry
+
+    settings = autotuning.TuneSettings(
+        warmup=args.warmup, repeats=args.repeats, backward=not args.forward_only, progress=not args.no_progress,
+    )
+    window = None
+    if args.window is not None:
+        window = args.window[0] if len(args.window) == 1 else tuple(args.window)
+    result = autotuning.tune_shapes(
+        batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+        dtype=args.dtype, axis_size=args.axis_size, causal=args.causal, sliding_window=window,
+        segments=args.segments, logits_soft_cap=args.softcap, sinks=args.sinks, layout=args.layout,
+        implementation=args.implementation, settings=settings,
+    )
+    p = result.problem
+    print(f"{result.implementation} on {p.device_kind} ({p.platform}), jax {jax.__version__}, "
+          f"{datetime.date.today().isoformat()}; per device: B={p.batch} T={p.seq} H={p.heads}/{p.kv_heads} "
+          f"D={p.head_dim} {p.dtype}, ring of {p.opts.axis_size}, {'fwd+bwd' if settings.backward else 'fwd'}")
+    for cfg, seconds, err in result.timings:
+        try:
+            shown = json.dumps(registry.config_to_json(cfg), sort_keys=True)
+        except TypeError:  # a candidate that is not a config at all (it failed; say which)
+            shown = repr(cfg)
+        print(f"  {shown:<40} " + (f"{seconds * 1e3:10.3f} ms" if err is None else err))
+    if result.config is None:
+        print("no candidate ran; nothing cached", file=sys.stderr)
+        return 1
+    print(f"best: {json.dumps(registry.config_to_json(result.config), sort_keys=True)} "
+          f"({result.median_s * 1e3:.3f} ms), saved to the user cache")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m ringjax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("implementations", help="registered implementations and whether they run here")
+    p.add_argument("--op", default="ring_attention")
+    p.set_defaults(run=_cmd_implementations)
+
+    cache_p = sub.add_parser("cache", help="inspect and manage the persistent config cache")
+    csub = cache_p.add_subparsers(dest="cache_command", required=True)
+    p = csub.add_parser("list", help="cache files and their entry counts")
+    p.set_defaults(run=_cmd_cache_list)
+    p = csub.add_parser("show", help="entries of the user cache (current and stale)")
+    p.add_argument("--device-kind", help="only this device kind")
+    p.add_argument("--shipped", action="store_true", help="also show configs shipped with ringjax")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(run=_cmd_cache_show)
+    p = csub.add_parser("clear", help="delete user cache files (or only stale entries)")
+    p.add_argument("--device-kind", help="only this device kind")
+    p.add_argument("--stale", action="store_true", help="only entries tuned with other jax/jaxlib/ringjax versions")
+    p.set_defaults(run=_cmd_cache_clear)
+    p = csub.add_parser("export", help="write one device kind's entries to a file")
+    p.add_argument("file", help="output path, or - for stdout")
+    p.add_argument("--device-kind", help="default: this machine's first device")
+    p.add_argument("--portable", action="store_true",
+                   help="drop versions from keys (the format of ringjax/configs/<device kind>.json)")
+    p.add_argument("--all-versions", action="store_true", help="include stale entries")
+    p.set_defaults(run=_cmd_cache_export)
+    p = csub.add_parser("import", help="merge an exported file into the user cache")
+    p.add_argument("file")
+    p.add_argument("--device-kind", help="override the file's device kind")
+    p.set_defaults(run=_cmd_cache_import)
+
+    p = sub.add_parser("tune", help="autotune one problem (global shapes) and save the result")
+    p.add_argument("--batch", type=_positive_int, required=True, help="per-device batch")
+    p.add_argument("--seq", type=_positive_int, required=True, help="global sequence length (split over the ring)")
+    p.add_argument("--heads", type=_positive_int, required=True, help="per-device query heads")
+    p.add_argument("--kv-heads", type=_positive_int, help="per-device key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=_positive_int, required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--axis-size", type=_positive_int, default=1, help="ring size (devices on the sequence axis)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--window", type=int, nargs="+", metavar="N", help="sliding window: W or LEFT RIGHT")
+    p.add_argument("--segments", action="store_true", help="packed documents (segment_ids)")
+    p.add_argument("--softcap", type=float, help="logits soft cap")
+    p.add_argument("--sinks", action="store_true", help="attention sinks")
+    p.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag", "striped"))
+    p.add_argument("--implementation", default="auto")
+    p.add_argument("--forward-only", action="store_true", help="time the forward pass only (inference)")
+    p.add_argument("--repeats", type=_positive_int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=_cmd_tune)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "window", None) is not None and len(args.window) > 2:
+        build_parser().error("--window takes W or LEFT RIGHT")
+    try:
+        return args.run(args)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
