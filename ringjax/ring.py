@@ -31,11 +31,15 @@ class BlockKernel:
     bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config) -> (dq, dk, dv), float32,
       where lse is the final (whole-ring) lse and delta = rowsum(dout * out) - dlse.
     Both must give exact zeros (and lse -inf) for rows that see no key.
+    lockstep: the kernel must run on every device at every step (the Pallas TPU
+      interpreter synchronises all devices at each kernel), so steps the mask empties
+      are not skipped with lax.cond around it; the kernel skips their tiles itself.
     """
 
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
+    lockstep: bool = False
 
 
 def _shift(tree, opts: AttentionOptions, d: int):
@@ -52,9 +56,9 @@ def _shard_index(opts: AttentionOptions):
     return lax.axis_index(opts.axis_name) if opts.axis_name is not None else jnp.int32(0)
 
 
-def _run_step(opts, q_info, k_info, compute, empty):
+def _run_step(opts, kernel, q_info, k_info, compute, empty):
     """Run `compute` unless the mask hides every key of this step from every query."""
-    if not steps_may_be_empty(opts):
+    if kernel.lockstep or not steps_may_be_empty(opts):
         return compute()
     pred = maybe_visible(opts, block_range(q_info), block_range(k_info))
     return lax.cond(pred, compute, empty)
@@ -81,7 +85,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg):
             zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
-        o, l = _run_step(opts, q_info, k_info, compute, empty)
+        o, l = _run_step(opts, kernel, q_info, k_info, compute, empty)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
         kv = nxt
     return out, lse
@@ -147,7 +151,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
                 _compat.match_vma(jnp.zeros(v.shape, jnp.float32), *refs),
             )
 
-        dq_s, dk_s, dv_s = _run_step(opts, q_info, k_info, compute, empty)
+        dq_s, dk_s, dv_s = _run_step(opts, kernel, q_info, k_info, compute, empty)
         dq = dq_s if dq is None else dq + dq_s
         dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)
         if step + 1 < plan.num_steps:

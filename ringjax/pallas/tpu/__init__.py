@@ -14,6 +14,8 @@ from ringjax.registry import Problem
 from ringjax.ring import BlockKernel, ring_attention_shard
 
 KERNEL = BlockKernel(name="pallas_tpu", fwd=block_fwd, bwd=block_bwd)
+# the interpreter holds every device at a barrier in each kernel: no kernel inside lax.cond
+INTERPRETED_KERNEL = BlockKernel(name="pallas_tpu_interpret", fwd=block_fwd, bwd=block_bwd, lockstep=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,8 @@ class TpuImplementation:
             from ringjax.pallas.tpu.ring import fused_ring_attention
 
             return fused_ring_attention(problem.opts, config, q, k, v, q_seg, kv_seg, sinks)
-        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks)
+        kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
+        return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks)
 
 
 IMPLEMENTATION = TpuImplementation()

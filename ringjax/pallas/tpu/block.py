@@ -49,6 +49,23 @@ def interpret_params(config: TpuConfig):
     return pltpu.InterpretParams(detect_races=config.detect_races)
 
 
+def reset_interpreter() -> None:
+    """Clear the Pallas TPU interpreter's global state (needed after a kernel raised in it)."""
+    _, pltpu = _pallas()
+    pltpu.reset_tpu_interpret_mode_state()
+
+
+def races_found() -> bool:
+    """Whether the interpreter's race detector (TpuConfig(detect_races=True)) reported a race
+    since the last `reset_interpreter`; each race is also printed when found."""
+    try:  # not public API: jax keeps the detector's state in this module
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+    except ImportError as e:
+        raise RuntimeError(f"this jax ({jax.__version__}) does not expose the interpreter's race state") from e
+    state = getattr(interpreter, "races", None)
+    return bool(state is not None and state.races_found)
+
+
 def _precision(dtype):
     return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
 

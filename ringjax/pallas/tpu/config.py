@@ -33,8 +33,8 @@ class TpuConfig:
       with remote DMA while computing (see ringjax.pallas.tpu.ring); otherwise each
       ring step is one kernel call and K/V move with lax.ppermute.
     interpret: run the kernels in the Pallas TPU interpreter (on CPU, for tests).
-    detect_races: with interpret, run the interpreter's data race detector and raise
-      if it reports a race.
+    detect_races: with interpret, run the interpreter's data race detector; it prints
+      every race it finds and `ringjax.pallas.tpu.block.races_found()` reports them.
     """
 
     block_q: int = 256
