@@ -34,12 +34,16 @@ class BlockKernel:
     lockstep: the kernel must run on every device at every step (the Pallas TPU
       interpreter synchronises all devices at each kernel), so steps the mask empties
       are not skipped with lax.cond around it; the kernel skips their tiles itself.
+    ring_fwd: optional replacement of the whole forward ring (e.g. one fused kernel that
+      moves K/V itself): ring_fwd(q, k, v, q_seg, kv_seg, opts, config) -> (out f32, lse),
+      before sinks; the backward still runs the ring of `bwd` steps.
     """
 
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
     lockstep: bool = False
+    ring_fwd: Callable[..., Any] | None = None
 
 
 def _shift(tree, opts: AttentionOptions, d: int):
@@ -107,7 +111,10 @@ def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks):
 
 
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks):
-    out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg)
+    if kernel.ring_fwd is not None:
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, opts, config)
+    else:
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg)
     if sinks is not None:
         out, lse = _add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)

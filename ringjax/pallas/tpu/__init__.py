@@ -18,6 +18,19 @@ KERNEL = BlockKernel(name="pallas_tpu", fwd=block_fwd, bwd=block_bwd)
 INTERPRETED_KERNEL = BlockKernel(name="pallas_tpu_interpret", fwd=block_fwd, bwd=block_bwd, lockstep=True)
 
 
+def _fused_forward(*args):
+    from ringjax.pallas.tpu.ring import fused_forward
+
+    return fused_forward(*args)
+
+
+# forward: one fused kernel moving K/V by remote DMA; backward: the ppermute ring of block kernels
+FUSED_KERNEL = BlockKernel(name="pallas_tpu_fused", fwd=block_fwd, bwd=block_bwd, ring_fwd=_fused_forward)
+INTERPRETED_FUSED_KERNEL = BlockKernel(
+    name="pallas_tpu_fused_interpret", fwd=block_fwd, bwd=block_bwd, lockstep=True, ring_fwd=_fused_forward
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuImplementation:
     name: str = "pallas_tpu"
@@ -50,10 +63,9 @@ class TpuImplementation:
                 f"{self.name} runs the TPU kernels in the Pallas interpreter: pass TpuConfig(interpret=True)"
             )
         if config.fused:
-            from ringjax.pallas.tpu.ring import fused_ring_attention
-
-            return fused_ring_attention(problem.opts, config, q, k, v, q_seg, kv_seg, sinks)
-        kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
+            kernel = INTERPRETED_FUSED_KERNEL if config.interpret else FUSED_KERNEL
+        else:
+            kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
         return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks)
 
 

@@ -41,6 +41,29 @@ def _pallas():
     return pl, pltpu
 
 
+# the chip whose memory tiling is assumed when Pallas TPU code is traced off-TPU (interpreter, lowering checks)
+SIMULATED_CHIP = "TPU_V5P"
+
+
+def assume_tpu_tiling() -> None:
+    """Let Pallas TPU pipelines be traced when the default device is not a TPU.
+
+    `emit_pipeline` asks the device for its memory tiling while tracing. Off-TPU (the
+    interpreter on CPU, lowering checks), this registers the host's device kind with
+    Pallas's TPU info table as a TPU v5p; nothing changes when running on a TPU.
+    """
+    if jax.default_backend() == "tpu":
+        return
+    try:  # not public API: the table jax consults for device kinds it does not know
+        from jax._src.pallas.mosaic import tpu_info
+    except ImportError as e:
+        raise RuntimeError(f"this jax ({jax.__version__}) has no Pallas TPU info table to extend") from e
+    kind = jax.devices()[0].device_kind
+    if kind not in tpu_info.registry:
+        chip = getattr(tpu_info.ChipVersion, SIMULATED_CHIP)
+        tpu_info.registry[kind] = functools.partial(tpu_info.get_tpu_info_for_chip, chip, 1)
+
+
 def interpret_params(config: TpuConfig):
     """The `interpret=` argument of pallas_call for `config`."""
     if not config.interpret:
@@ -179,22 +202,29 @@ def meta_specs(tl: Tiling, q_index, k_index):
 
 
 class MetaRefs:
-    """The kernel's view of Meta: block ranges and mask tiles."""
+    """The kernel's view of Meta: block ranges and mask tiles.
 
-    def __init__(self, tl: Tiling, scalar_refs, tile_refs):
+    The K range arrays may be tables over several source shards (the fused ring);
+    `src` picks the shard whose K/V the current tiles hold.
+    """
+
+    def __init__(self, tl: Tiling, scalar_refs, tile_refs, src=0):
         self.tl = tl
         self.scalar_refs = scalar_refs
         self.tile_refs = tile_refs
+        self.src = src
 
     def ranges(self, b, i, j) -> tuple[BlockRange, BlockRange]:
         nq, nk = self.tl.num_q, self.tl.num_kv
         qr, kr = self.scalar_refs[0], self.scalar_refs[1]
+        kb = self.src * 2 * nk
         if not self.tl.has_segments:
-            return BlockRange(qr[i], qr[nq + i], None, None), BlockRange(kr[j], kr[nk + j], None, None)
+            return BlockRange(qr[i], qr[nq + i], None, None), BlockRange(kr[kb + j], kr[kb + nk + j], None, None)
         qs, ks = self.scalar_refs[2], self.scalar_refs[3]
         nb = qs.shape[0] // (2 * nq)
+        sb = self.src * 2 * nb * nk
         q_rng = BlockRange(qr[i], qr[nq + i], qs[b * nq + i], qs[nb * nq + b * nq + i])
-        k_rng = BlockRange(kr[j], kr[nk + j], ks[b * nk + j], ks[nb * nk + b * nk + j])
+        k_rng = BlockRange(kr[kb + j], kr[kb + nk + j], ks[sb + b * nk + j], ks[sb + nb * nk + b * nk + j])
         return q_rng, k_rng
 
     def visible(self, opts: AttentionOptions):
@@ -237,6 +267,26 @@ def align_vma(*xs):
 # ---------------------------------------------------------------- forward
 
 
+def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRefs, opts: AttentionOptions,
+                        tl: Tiling):
+    """Fold one K/V tile into the running max m, denominator l and unnormalised output acc."""
+    prec = _precision(q_ref.dtype)
+    q = q_ref[...].reshape(tl.rows, tl.head_dim)
+    v = v_ref[...]
+    s = masks.logits(_dot(q, k_ref[...], _NT, prec), opts)
+    if masks.may_skip(opts):
+        s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
+    m_prev = m_ref[...].reshape(tl.rows, 1)
+    m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+    p = jnp.exp(s - m_safe)  # exactly 0 where masked
+    alpha = jnp.exp(m_prev - m_safe)
+    l_ref[...] = (alpha * l_ref[...].reshape(tl.rows, 1) + p.sum(axis=1, keepdims=True)).reshape(l_ref.shape)
+    m_ref[...] = m_new.reshape(m_ref.shape)
+    acc = alpha * acc_ref[...].reshape(tl.rows, tl.head_dim) + _dot(p.astype(v.dtype), v, _NN, prec)
+    acc_ref[...] = acc.reshape(acc_ref.shape)
+
+
 def _fwd_kernel(*refs, opts: AttentionOptions, tl: Tiling):
     pl, _ = _pallas()
     n_scalar = 4 if tl.has_segments else 2
@@ -246,7 +296,6 @@ def _fwd_kernel(*refs, opts: AttentionOptions, tl: Tiling):
     o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[3 + n_scalar :]
     meta = MetaRefs(tl, scalar_refs, tile_refs)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    prec = _precision(q_ref.dtype)
 
     @pl.when(j == 0)
     def _init():
@@ -255,19 +304,7 @@ def _fwd_kernel(*refs, opts: AttentionOptions, tl: Tiling):
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
     def body():
-        q = q_ref[...].reshape(tl.rows, tl.head_dim)
-        v = v_ref[...]
-        s = masks.logits(_dot(q, k_ref[...], _NT, prec), opts)
-        if masks.may_skip(opts):
-            s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
-        m_prev = m_sc[...]
-        m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
-        p = jnp.exp(s - m_safe)  # exactly 0 where masked
-        alpha = jnp.exp(m_prev - m_safe)
-        l_sc[...] = alpha * l_sc[...] + p.sum(axis=1, keepdims=True)
-        m_sc[...] = m_new
-        acc_sc[...] = alpha * acc_sc[...] + _dot(p.astype(v.dtype), v, _NN, prec)
+        online_softmax_step(q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, meta, opts, tl)
 
     when_visible(opts, meta, b, i, j, body)
 
