@@ -50,7 +50,9 @@ CASES = {
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),
-    "4dev_contiguous_window_skips_steps": (4, "contiguous", dict(seq=64, batch=1), dict(causal=True, sliding_window=10)),
+    "4dev_contiguous_window_skips_steps": (
+        4, "contiguous", dict(seq=64, batch=1), dict(causal=True, sliding_window=10)
+    ),
     "8dev_zigzag_causal": (8, "zigzag", dict(seq=128, batch=1, heads=2, kv_heads=1), dict(causal=True)),
 }
 

@@ -310,9 +310,9 @@ def _fwd_kernel(*refs, opts: AttentionOptions, tl: Tiling):
 
     @pl.when(j == tl.num_kv - 1)
     def _finish():
-        l = l_sc[...]
-        seen = l > 0.0
-        safe = jnp.where(seen, l, 1.0)
+        denom = l_sc[...]
+        seen = denom > 0.0
+        safe = jnp.where(seen, denom, 1.0)
         o_ref[...] = (acc_sc[...] / safe).reshape(o_ref.shape)
         lse = jnp.where(seen, m_sc[...] + jnp.log(safe), -jnp.inf)
         lse_ref[...] = lse.reshape(lse_ref.shape)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -257,7 +256,7 @@ def fused_forward(q, k, v, q_seg, kv_seg, opts: AttentionOptions, config: TpuCon
     params = dict(dimension_semantics=("arbitrary",))
     if plan.num_steps > 1:
         params["collective_id"] = 0  # the barrier semaphore of the entry barrier
-    acc, m, l, _ = pl.pallas_call(
+    acc, m, denom, _ = pl.pallas_call(
         functools.partial(_kernel, opts=opts, tl=tl, num_steps=plan.num_steps, offset=plan.offset),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -276,8 +275,8 @@ def fused_forward(q, k, v, q_seg, kv_seg, opts: AttentionOptions, config: TpuCon
         interpret=block.interpret_params(config),
         name="ringjax_tpu_fused_ring_fwd",
     )(*operands)
-    seen = l > 0.0
-    safe = jnp.where(seen, l, 1.0)
+    seen = denom > 0.0
+    safe = jnp.where(seen, denom, 1.0)
     out = block.tokens_major(acc / safe)
     lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf).reshape(b, h, t)
     return out, lse
