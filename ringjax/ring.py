@@ -34,9 +34,10 @@ class BlockKernel:
     lockstep: the kernel must run on every device at every step (the Pallas TPU
       interpreter synchronises all devices at each kernel), so steps the mask empties
       are not skipped with lax.cond around it; the kernel skips their tiles itself.
-    ring_fwd: optional replacement of the whole forward ring (e.g. one fused kernel that
-      moves K/V itself): ring_fwd(q, k, v, q_seg, kv_seg, opts, config) -> (out f32, lse),
-      before sinks; the backward still runs the ring of `bwd` steps.
+    ring_fwd, ring_bwd: optional replacements of the whole forward / backward ring (e.g.
+      one fused kernel that moves K/V itself):
+      ring_fwd(q, k, v, q_seg, kv_seg, opts, config) -> (out f32, lse), before sinks;
+      ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config) -> (dq, dk, dv) f32.
     """
 
     name: str
@@ -44,6 +45,7 @@ class BlockKernel:
     bwd: Callable[..., Any]
     lockstep: bool = False
     ring_fwd: Callable[..., Any] | None = None
+    ring_bwd: Callable[..., Any] | None = None
 
 
 def _shift(tree, opts: AttentionOptions, d: int):
@@ -130,13 +132,26 @@ def _bwd_rule(opts, kernel, config, res, cts):
     q, k, v, q_seg, kv_seg, sinks, out, lse = res
     dout, dlse = cts
     dout = dout.astype(q.dtype)
-    b, t, h, _ = q.shape
-    n = opts.axis_size
-    shard = _shard_index(opts)
-    plan = ring_plan(opts, t)
     # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
     delta = jnp.einsum("bthd,bthd->bht", dout.astype(jnp.float32), out.astype(jnp.float32))
     delta = delta - dlse.astype(jnp.float32)
+    if kernel.ring_bwd is not None:
+        dq, dk, dv = kernel.ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config)
+    else:
+        dq, dk, dv = _ring_backward(opts, kernel, config, q, k, v, q_seg, kv_seg, dout, lse, delta)
+
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks)
+
+
+def _ring_backward(opts, kernel, config, q, k, v, q_seg, kv_seg, dout, lse, delta):
+    t = q.shape[1]
+    n = opts.axis_size
+    shard = _shard_index(opts)
+    plan = ring_plan(opts, t)
     q_info = TokenInfo(local_positions(opts.layout, shard, n, t), q_seg)
 
     kv = _shift((k, v, kv_seg), opts, -plan.offset)
@@ -165,12 +180,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
             dkv = _shift(dkv, opts, 1)  # dK/dV travel with the K/V they belong to
         kv = nxt
     dk, dv = _shift(dkv, opts, plan.home_shift)
-
-    dsinks = None
-    if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks)
+    return dq, dk, dv
 
 
 ring_attention_shard.defvjp(_fwd_rule, _bwd_rule)

@@ -70,7 +70,7 @@ def test_matches_reference(case):
     assert not races_found()
 
 
-# ---------------------------------------------------------------- the fused ring (remote DMA)
+# ---------------------------------------------------------------- the fused rings (remote DMA)
 
 FUSED_CASES = {
     "2dev_zigzag_gqa_softcap_sinks": (
@@ -88,33 +88,38 @@ def test_fused_ring_matches_reference_without_races(case, capfd):
     config = _config(fused=True, detect_races=True)
     got = run_ring(x, n, layout=layout, implementation="pallas_tpu_interpret", config=config, **kw)
     check_against_reference(got, reference_for(x, **kw), x["dtype"])
-    # the detector prints every race; its flag only covers the last kernel (a backward one here)
+    # the detector prints every race it finds; its flag covers the last kernel, the fused backward
     assert "RACE DETECTED" not in capfd.readouterr().out
+    assert not races_found()
 
 
-def _fused_forward_only(n, x, **kw):
+def _fused_run(n, x, backward):
+    """Forward (or its gradient) of the fused rings on n devices, with the race detector on."""
     mesh = mesh_of(n)
     spec = P(None, "sp")
 
     def attn(q, k, v):
         return ringjax.ring_attention(q, k, v, axis_name="sp", implementation="pallas_tpu_interpret",
-                                      config=_config(fused=True, detect_races=True), **kw)
+                                      config=_config(fused=True, detect_races=True))
 
-    f = jax.jit(jax.shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+    f = jax.shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    if backward:
+        f = jax.grad(lambda q, k, v, f=f: f(q, k, v).sum(), argnums=(0, 1, 2))
     args = [jax.device_put(jnp.asarray(x[name]), NamedSharding(mesh, spec)) for name in ("q", "k", "v")]
     with jax.set_mesh(mesh):
-        return np.asarray(f(*args))
+        return jax.block_until_ready(jax.jit(f)(*args))
 
 
-def test_race_detector_catches_a_ring_without_handshake(monkeypatch, capfd):
-    """Drop the 'slot is free' handshake: the neighbour's DMA then overwrites K/V being read."""
+@pytest.mark.parametrize("backward", [False, True])
+def test_race_detector_catches_a_ring_without_handshake(backward, monkeypatch, capfd):
+    """Drop the 'slot is free' handshakes: a neighbour's DMA then overwrites K/V (or dK/dV) in use."""
     from ringjax.pallas.tpu import ring
 
     monkeypatch.setattr(ring, "_wait_for_capacity", lambda capacity: None)
     monkeypatch.setattr(ring, "_grant_capacity", lambda capacity, opts, left: None)
     x = make_inputs(9, seq=24, batch=1, heads=2, kv_heads=1)
-    _fused_forward_only(3, x)
-    assert races_found()
+    _fused_run(3, x, backward)
+    assert races_found()  # the flag covers the last kernel: the fused backward when backward=True
     assert "RACE DETECTED" in capfd.readouterr().out
 
 
@@ -253,8 +258,8 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
 )
 def test_kernels_lower_for_tpu(n, dtype, opts, fused):
     text = _export_ring_for_tpu(n, dtype, TpuConfig(block_q=128, block_kv=128, fused=fused), **opts)
-    # both cases run the full ring. Backward: two Mosaic kernels (dK/dV, dQ) per step; forward:
-    # one kernel per step, or one fused kernel for the whole ring
-    forward = 1 if fused else n
-    assert text.count("tpu_custom_call") == forward + 2 * n
+    # both cases run the full ring: per step one forward kernel and two backward kernels (dK/dV, dQ),
+    # or one fused kernel per direction for the whole ring
+    assert text.count("tpu_custom_call") == (2 if fused else 3 * n)
     assert ("ringjax_tpu_fused_ring_fwd" in text) == fused
+    assert ("ringjax_tpu_fused_ring_bwd" in text) == fused

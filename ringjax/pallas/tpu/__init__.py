@@ -1,4 +1,4 @@
-"""Pallas TPU backend: flash-attention block kernels in the ppermute ring, or one fused ring kernel.
+"""Pallas TPU backend: flash-attention block kernels in the ppermute ring, or fused ring kernels.
 
 Registered as "pallas_tpu" (TPU) and "pallas_tpu_interpret" (the same kernels in the
 Pallas TPU interpreter on CPU; only when named explicitly, for tests).
@@ -24,11 +24,16 @@ def _fused_forward(*args):
     return fused_forward(*args)
 
 
-# forward: one fused kernel moving K/V by remote DMA; backward: the ppermute ring of block kernels
-FUSED_KERNEL = BlockKernel(name="pallas_tpu_fused", fwd=block_fwd, bwd=block_bwd, ring_fwd=_fused_forward)
-INTERPRETED_FUSED_KERNEL = BlockKernel(
-    name="pallas_tpu_fused_interpret", fwd=block_fwd, bwd=block_bwd, lockstep=True, ring_fwd=_fused_forward
-)
+def _fused_backward(*args):
+    from ringjax.pallas.tpu.ring import fused_backward
+
+    return fused_backward(*args)
+
+
+# forward and backward rings each one kernel that moves K/V (and dK/dV) by remote DMA
+FUSED_KERNEL = BlockKernel(name="pallas_tpu_fused", fwd=block_fwd, bwd=block_bwd, ring_fwd=_fused_forward,
+                           ring_bwd=_fused_backward)
+INTERPRETED_FUSED_KERNEL = dataclasses.replace(FUSED_KERNEL, name="pallas_tpu_fused_interpret", lockstep=True)
 
 
 @dataclasses.dataclass(frozen=True)

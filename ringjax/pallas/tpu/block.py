@@ -418,42 +418,48 @@ def _load_rows(refs, tl):
     )
 
 
+def dkv_step(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, meta: MetaRefs,
+             opts: AttentionOptions, tl: Tiling):
+    """Add one tile pair's contribution to the dK and dV tiles."""
+    prec = _precision(q_ref.dtype)
+    q, k, v, do, lse, delta = _load_rows((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tl)
+    p, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
+    dv_ref[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
+    dk_ref[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
+
+
+def dq_step(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, meta: MetaRefs, opts: AttentionOptions,
+            tl: Tiling):
+    """Add one tile pair's contribution to the dQ tile."""
+    prec = _precision(q_ref.dtype)
+    q, k, v, do, lse, delta = _load_rows((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tl)
+    _, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
+    dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq_ref.shape)
+
+
 def _dkv_kernel(*refs, opts: AttentionOptions, tl: Tiling):
     pl, _ = _pallas()
     meta, ins, (dk_ref, dv_ref) = _bwd_unpack(refs, tl)
     b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    prec = _precision(ins[0].dtype)
 
     @pl.when(i == 0)
     def _init():
         dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
         dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
 
-    def body():
-        q, k, v, do, lse, delta = _load_rows(ins, tl)
-        p, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-        dv_ref[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
-        dk_ref[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
-
-    when_visible(opts, meta, b, i, j, body)
+    when_visible(opts, meta, b, i, j, lambda: dkv_step(*ins, dk_ref, dv_ref, meta, opts, tl))
 
 
 def _dq_kernel(*refs, opts: AttentionOptions, tl: Tiling):
     pl, _ = _pallas()
     meta, ins, (dq_ref,) = _bwd_unpack(refs, tl)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    prec = _precision(ins[0].dtype)
 
     @pl.when(j == 0)
     def _init():
         dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
-    def body():
-        q, k, v, do, lse, delta = _load_rows(ins, tl)
-        _, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-        dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq_ref.shape)
-
-    when_visible(opts, meta, b, i, j, body)
+    when_visible(opts, meta, b, i, j, lambda: dq_step(*ins, dq_ref, meta, opts, tl))
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,

@@ -29,9 +29,9 @@ class TpuConfig:
     block_q, block_kv: upper bounds; each is shrunk to a sublane-aligned divisor of the
       shard (a divisor of one zigzag chunk where possible). The query tile holds all
       query heads of one KV head, so it has (heads // kv_heads) * block_q rows.
-    fused: run the whole forward ring as one kernel that moves K/V to the neighbour
-      with remote DMA while computing (see ringjax.pallas.tpu.ring); otherwise each
-      ring step is one kernel call and K/V move with lax.ppermute.
+    fused: run each direction of the ring as one kernel that moves K/V (and, backward,
+      dK/dV) to the neighbour with remote DMA while computing (ringjax.pallas.tpu.ring);
+      otherwise each ring step is a kernel call and K/V move with lax.ppermute.
     interpret: run the kernels in the Pallas TPU interpreter (on CPU, for tests).
     detect_races: with interpret, run the interpreter's data race detector; it prints
       every race it finds and `ringjax.pallas.tpu.block.races_found()` reports them.
