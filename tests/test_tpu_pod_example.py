@@ -44,3 +44,10 @@ def test_ring_benchmark_rejects_bad_mesh_and_flags():
         bench.main(["--data-parallel", "3", "--distributed", "off", "--seq-len", "48"])
     with pytest.raises(ValueError, match="need --implementation"):
         bench.make_config(bench.parse_args(["--block-q", "128"]))
+
+
+def test_chip_names():
+    bench = _load()
+    assert bench.chip_of("TPU v5 lite") == "tpu_v5e" and bench.chip_of("TPU v5p") == "tpu_v5p"
+    assert bench.chip_of("NVIDIA H100 80GB HBM3") == "h100" and bench.chip_of("NVIDIA H200") == "h200"
+    assert bench.chip_of("cpu") is None

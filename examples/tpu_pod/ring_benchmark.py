@@ -37,6 +37,15 @@ CHIP_OF_DEVICE_KIND = {
     "TPU v6 lite": "tpu_v6e",
     "TPU v6e": "tpu_v6e",
 }
+
+
+def chip_of(device_kind: str) -> str | None:
+    """The ringjax.plan chip for a device kind, if the cost model knows it."""
+    if device_kind.startswith("NVIDIA H100"):
+        return "h100"
+    if device_kind.startswith("NVIDIA H200"):
+        return "h200"
+    return CHIP_OF_DEVICE_KIND.get(device_kind)
 # environment variables that mark a Cloud TPU VM or a cluster jax.distributed can detect
 CLUSTER_ENV = ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "MEGASCALE_COORDINATOR_ADDRESS",
                "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE")
@@ -208,7 +217,7 @@ def main(argv=None) -> dict:
         "peak_memory_bytes": _peak_memory(),
         "check": check,
     }
-    chip = CHIP_OF_DEVICE_KIND.get(device_kind)
+    chip = chip_of(device_kind)
     if chip is not None and args.dtype == "bfloat16":
         from ringjax.plan import plan
 
