@@ -2,9 +2,11 @@
 
 from ringjax.api import ring_attention
 from ringjax.autotuning import TuneSettings, autotune
+from ringjax.dilated import dilated_attention
 from ringjax.layouts import from_layout, to_layout
 from ringjax.merge import merge_attention, merge_attention_many
 from ringjax.options import AttentionOptions
+from ringjax.packed import ring_attention_kvpacked, ring_attention_qkvpacked, ring_attention_varlen
 from ringjax.registry import config_from_json, config_to_json, list_implementations
 
 __version__ = "0.1.0"
@@ -15,10 +17,14 @@ __all__ = [
     "autotune",
     "config_from_json",
     "config_to_json",
+    "dilated_attention",
     "from_layout",
     "list_implementations",
     "merge_attention",
     "merge_attention_many",
     "ring_attention",
+    "ring_attention_kvpacked",
+    "ring_attention_qkvpacked",
+    "ring_attention_varlen",
     "to_layout",
 ]

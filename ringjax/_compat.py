@@ -109,3 +109,79 @@ def sharding_spec(x):
     if spec is None or mesh is None or getattr(mesh, "empty", True):
         return None
     return spec
+
+
+def struct_like(shape, dtype, ref):
+    """ShapeDtypeStruct varying over the same mesh axes as `ref` (pallas_call outputs in shard_map)."""
+    mat = getattr(jax.typeof(ref), "mat", None)
+    if mat is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
+_UNCHECKED = None
+
+
+def _unchecked_primitive():
+    """A primitive that traces its body with shard_map's varying-axes checks off.
+
+    The Pallas interpreter evaluates a kernel (traced without those checks) inside
+    the enclosing shard_map's lowering, where mixing varying refs with invariant grid
+    indices is rejected (jax 0.10-0.11). Only interpret mode goes through here.
+    """
+    global _UNCHECKED
+    if _UNCHECKED is not None:
+        return _UNCHECKED
+    from jax._src import config as jax_config
+    from jax._src import core as jax_core
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive("ringjax_unchecked_vma_call")
+    prim.multiple_results = True
+
+    def abstract(*avals, fn, out_shapes):
+        varying = frozenset().union(*(getattr(getattr(a, "mat", None), "varying", frozenset()) for a in avals))
+        if not varying:
+            return [jax_core.ShapedArray(s, d) for s, d in out_shapes]
+        mat = jax_core.ManualAxisType(varying=varying)
+        sharding = jax_core.get_cur_mesh_sharding()
+        return [jax_core.ShapedArray(s, d, sharding=sharding, manual_axis_type=mat) for s, d in out_shapes]
+
+    def impl(*args, fn, out_shapes):
+        with jax_config._check_vma(False):
+            return list(fn(*args))
+
+    def plain(aval):
+        return jax_core.ShapedArray(aval.shape, aval.dtype)
+
+    def lowering(ctx, *args, fn, out_shapes):
+        # lower the body as if outside shard_map: same local shapes, no varying-axes types
+        ctx = ctx.replace(avals_in=[plain(a) for a in ctx.avals_in], avals_out=[plain(a) for a in ctx.avals_out])
+        return mlir.lower_fun(impl, multiple_results=True)(ctx, *args, fn=fn, out_shapes=out_shapes)
+
+    prim.def_abstract_eval(abstract)
+    prim.def_impl(impl)
+    mlir.register_lowering(prim, lowering)
+    _UNCHECKED = prim
+    return prim
+
+
+def call_unchecked_vma(fn, out_shapes, *args):
+    """fn(*args) -> list of arrays with `out_shapes` [(shape, dtype)], varying like the union of args."""
+    out_shapes = tuple((tuple(s), jax.numpy.dtype(d)) for s, d in out_shapes)
+    return _unchecked_primitive().bind(*args, fn=fn, out_shapes=out_shapes)
+
+
+def gather_axis(x, axis: int):
+    """Undo explicit sharding of dimension `axis` (the one-device path needs whole sequences)."""
+    spec = sharding_spec(x)
+    if spec is None or len(spec) <= axis or spec[axis] is None:
+        return x
+    new = tuple(None if i == axis else e for i, e in enumerate(tuple(spec) + (None,) * (x.ndim - len(spec))))
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    concrete = getattr(x, "sharding", None)
+    if isinstance(concrete, NamedSharding):
+        return jax.device_put(x, NamedSharding(concrete.mesh, PartitionSpec(*new)))
+    return jax.reshard(x, PartitionSpec(*new))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from ringjax import _compat, autotuning, registry
+from ringjax.masks import Extras
 from ringjax.options import check_inputs, make_options
 
 OP = "ring_attention"
@@ -76,6 +78,11 @@ def ring_attention(
     logits_soft_cap: float | None = None,
     sinks: Float[Array, " heads"] | None = None,
     layout: str = "contiguous",
+    chunk_size: int | None = None,
+    alibi_slopes: Float[Array, " heads"] | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
+    num_sink_tokens: int = 0,
     return_lse: bool = False,
     mesh=None,
     implementation: str = "auto",
@@ -89,7 +96,7 @@ def ring_attention(
     set by `jax.set_mesh`). `layout` says which global positions each shard holds;
     see `to_layout`. Returns out [batch, seq, heads, head_dim] in q's dtype and,
     with `return_lse`, lse [batch, heads, seq] float32 (natural log, -inf for rows
-    that see no key).
+    that see no key). Mask and logit options are described in the README's table.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |
@@ -101,7 +108,8 @@ def ring_attention(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(implementation, str):
         raise TypeError(f"implementation must be a str, got {type(implementation).__name__}")
-    check_inputs(q, k, v, segment_ids, sinks, axis_size=axis_size, layout=layout, local=mode != "global")
+    check_inputs(q, k, v, segment_ids, sinks, axis_size=axis_size, layout=layout, local=mode != "global",
+                 alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     opts = make_options(
         q,
         causal=causal,
@@ -113,7 +121,14 @@ def ring_attention(
         axis_size=axis_size,
         has_segments=segment_ids is not None,
         has_sinks=sinks is not None,
+        chunk_size=chunk_size,
+        has_alibi=alibi_slopes is not None,
+        dropout_rate=dropout_rate,
+        num_sink_tokens=num_sink_tokens,
     )
+    seed = None
+    if dropout_rng is not None:
+        seed = jax.random.bits(dropout_rng, (2,), jnp.uint32)
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     batch_axes = head_axes = ()
@@ -140,21 +155,28 @@ def ring_attention(
     reg, impl = registry.choose(OP, implementation, problem)
     config = autotuning.select_config(OP, reg, impl, problem, config, policy=autotune)
 
-    def per_device(q, k, v, seg, sinks):
-        if sinks is not None and axis_name is not None:
-            # one sinks gradient per device; the cast's transpose sums them over the ring
-            sinks = _compat.to_varying(sinks, axis_name)
-        return impl.run(problem, config, q, k, v, seg, seg, sinks)
+    def per_device(q, k, v, seg, sinks, slopes, seed):
+        if seed is not None and (batch_axes or head_axes):
+            # other batch/head shards draw other masks (shard_map users fold this in themselves)
+            shard = jnp.uint32(0)
+            for axis in batch_axes + head_axes:
+                shard = shard * jnp.uint32(_compat.axis_size_or_none(axis)) + jax.lax.axis_index(axis).astype(jnp.uint32)
+            seed = seed + shard * jnp.asarray([0x9E3779B9, 0x7F4A7C15], jnp.uint32)
+        extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
+        return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
 
+    if mode == "single":
+        q, k, v = (_compat.gather_axis(x, 1) for x in (q, k, v))
+        segment_ids = None if segment_ids is None else _compat.gather_axis(segment_ids, 1)
     if mode != "global":
-        out, lse = per_device(q, k, v, segment_ids, sinks)
+        out, lse = per_device(q, k, v, segment_ids, sinks, alibi_slopes, seed)
     else:
         b, h = _entry(batch_axes), _entry(head_axes)
         qkv_spec = P(b, axis_name, h, None)
         seg_spec = None if segment_ids is None else P(b, axis_name)
-        sink_spec = None if sinks is None else P(h)
-        args = (q, k, v, segment_ids, sinks)
-        specs = (qkv_spec, qkv_spec, qkv_spec, seg_spec, sink_spec)
+        head_spec = P(h)
+        args = (q, k, v, segment_ids, sinks, alibi_slopes, seed)
+        specs = (qkv_spec, qkv_spec, qkv_spec, seg_spec, head_spec, head_spec, P())
         present = [i for i, a in enumerate(args) if a is not None]
 
         def per_device_present(*xs):

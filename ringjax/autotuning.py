@@ -204,39 +204,41 @@ def _stand_ins(problem: registry.Problem, n: int, seed: int = 0):
         seg = np.broadcast_to((np.arange(t) * 4 // t).astype(np.int32), (problem.batch, t)).copy()
     sinks = rng.standard_normal((problem.heads,)).astype(np.float32) if problem.opts.has_sinks else None
     w = rng.standard_normal((problem.batch, t, problem.heads, problem.head_dim)).astype(np.float32)
-    return q, k, v, seg, sinks, w
+    slopes = rng.uniform(0.01, 0.5, (problem.heads,)).astype(np.float32) if problem.opts.has_alibi else None
+    seed = rng.integers(0, 2**32, (2,), dtype=np.uint32) if problem.opts.dropout_rate else None
+    return q, k, v, seg, sinks, w, slopes, seed
 
 
 def _timed_step(impl, problem: registry.Problem, config, mesh, backward: bool):
-    """A jittable f(q, k, v, seg, sinks, w) running `impl` with `config` on global stand-ins."""
+    """A jittable f(q, k, v, seg, sinks, w, slopes, seed) running `impl` with `config` on global stand-ins."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from ringjax import _compat
+    from ringjax.masks import Extras
 
     axis = problem.opts.axis_name
 
-    def per_device(q, k, v, seg, sinks):
-        if sinks is not None and axis is not None:
-            sinks = _compat.to_varying(sinks, axis)
-        return impl.run(problem, config, q, k, v, seg, seg, sinks)
+    def per_device(q, k, v, seg, sinks, slopes, seed):
+        extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
+        return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
 
-    def step(q, k, v, seg, sinks, w):
+    def step(q, k, v, seg, sinks, w, slopes, seed):
         attn = per_device
         if mesh is not None:
             spec = P(None, axis)
             attn = jax.shard_map(
                 per_device,
                 mesh=mesh,
-                in_specs=(spec, spec, spec, None if seg is None else spec, None if sinks is None else P()),
+                in_specs=(spec, spec, spec, None if seg is None else spec, None if sinks is None else P(),
+                          None if slopes is None else P(), None if seed is None else P()),
                 out_specs=(spec, P(None, None, axis)),
             )
         if not backward:
-            return attn(q, k, v, seg, sinks)
+            return attn(q, k, v, seg, sinks, slopes, seed)
 
         def loss(q, k, v):
-            return jnp.sum(attn(q, k, v, seg, sinks)[0].astype(jnp.float32) * w)
+            return jnp.sum(attn(q, k, v, seg, sinks, slopes, seed)[0].astype(jnp.float32) * w)
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -281,15 +283,18 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
         opts = dataclasses.replace(problem.opts, axis_size=1, axis_name=None)
         run_problem = dataclasses.replace(problem, opts=opts)
         n = 1
-    q, k, v, seg, sinks, w = _stand_ins(run_problem, n)
+    q, k, v, seg, sinks, w, slopes, seed = _stand_ins(run_problem, n)
     if mesh is not None:
         spec = NamedSharding(mesh, P(None, problem.opts.axis_name))
         rep = NamedSharding(mesh, P())
         args = (jax.device_put(q, spec), jax.device_put(k, spec), jax.device_put(v, spec),
                 None if seg is None else jax.device_put(seg, spec),
-                None if sinks is None else jax.device_put(sinks, rep), jax.device_put(w, spec))
+                None if sinks is None else jax.device_put(sinks, rep), jax.device_put(w, spec),
+                None if slopes is None else jax.device_put(slopes, rep),
+                None if seed is None else jax.device_put(seed, rep))
     else:
-        args = tuple(None if a is None else jax.device_put(a, devices[0]) for a in (q, k, v, seg, sinks, w))
+        args = tuple(None if a is None else jax.device_put(a, devices[0])
+                     for a in (q, k, v, seg, sinks, w, slopes, seed))
     timings = []
     for candidate in impl.candidate_configs(run_problem):
         try:

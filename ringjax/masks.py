@@ -3,6 +3,7 @@
 Every backend reads its mask rules from here, so each rule is written once:
 `visible` is the exact element-wise rule, `maybe_visible` the conservative test on
 ranges that lets a kernel skip whole blocks and the ring skip whole steps.
+All positions are global token positions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class TokenInfo(NamedTuple):
     """Per-token metadata of a block of queries or keys."""
 
     pos: jnp.ndarray  # [T] int32 global positions
-    seg: jnp.ndarray | None  # [B, T] int32 segment ids, or None
+    seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
+    segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
 
 
 class BlockRange(NamedTuple):
@@ -28,66 +30,132 @@ class BlockRange(NamedTuple):
     pos_hi: jnp.ndarray
     seg_lo: jnp.ndarray | None
     seg_hi: jnp.ndarray | None
+    segpos_lo: jnp.ndarray | None = None
+
+
+class Extras(NamedTuple):
+    """Per-call arrays that shape the logits or probabilities."""
+
+    alibi_slopes: jnp.ndarray | None = None  # [H] float32
+    dropout_seed: jnp.ndarray | None = None  # [2] uint32
 
 
 def block_range(info: TokenInfo) -> BlockRange:
-    if info.seg is None:
-        return BlockRange(info.pos.min(), info.pos.max(), None, None)
-    return BlockRange(info.pos.min(), info.pos.max(), info.seg.min(), info.seg.max())
+    seg_lo = seg_hi = segpos_lo = None
+    if info.seg is not None:
+        seg_lo, seg_hi = info.seg.min(), info.seg.max()
+    if info.segpos is not None:
+        segpos_lo = info.segpos.min()
+    return BlockRange(info.pos.min(), info.pos.max(), seg_lo, seg_hi, segpos_lo)
+
+
+def _and(*masks):
+    """Conjunction of the masks that apply (None: no rule); None if none applies."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m
+    return out
+
+
+def _base(opts: AttentionOptions, qp, kp):
+    """Causal and window rules on positions, or None if neither applies."""
+    window = None
+    if opts.window is not None:
+        left, right = opts.window
+        window = (kp >= qp - left) & (kp <= qp + right)
+    return _and(kp <= qp if opts.causal else None, window)
 
 
 def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
     """Exact mask, bool [B or 1, Tq, Tk]."""
-    vis = visible_pairs(
-        opts,
-        q.pos[:, None],
-        k.pos[None, :],
-        None if q.seg is None else q.seg[:, :, None],
-        None if k.seg is None else k.seg[:, None, :],
-    )
+    expand = lambda x, axis: None if x is None else jnp.expand_dims(x, axis)  # noqa: E731
+    vis = visible_pairs(opts, q.pos[:, None], k.pos[None, :], expand(q.seg, 2), expand(k.seg, 1),
+                        expand(q.segpos, 2), expand(k.segpos, 1))
     return vis if vis.ndim == 3 else vis[None]
 
 
-def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None) -> jnp.ndarray:
-    """`visible` on operands that already broadcast against each other.
+def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, q_segpos=None, k_segpos=None):
+    """`visible` on operands that already broadcast against each other; bool of their broadcast shape.
 
-    Kernels working on 2-D tiles pass q_pos, q_seg as columns [Tq, 1] and k_pos,
-    k_seg as rows [1, Tk]; the mask has the broadcast shape of the operands.
+    `visible` passes [Tq, 1] / [1, Tk] positions and [B, Tq, 1] / [B, 1, Tk] segment ids
+    and offsets; kernels working on 2-D tiles pass columns [bq, 1] and rows [1, bk].
     """
-    rules = []
-    if opts.causal:
-        rules.append(k_pos <= q_pos)
-    if opts.window is not None:
-        left, right = opts.window
-        rules.append((k_pos >= q_pos - left) & (k_pos <= q_pos + right))
+    same = None
     if opts.has_segments:
         # negative ids mark padding: it sees nothing and nothing sees it
-        rules.append((q_seg == k_seg) & (q_seg >= 0))
-    if not rules:
-        return jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
-    vis = rules[0]
-    for rule in rules[1:]:
-        vis = vis & rule
-    return vis
+        same = (q_seg == k_seg) & (q_seg >= 0)
+    chunk = None
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        # chunks start at each packed document's first token (global position 0 without segments)
+        chunk = q_segpos // c == k_segpos // c if opts.has_segments else q_pos // c == k_pos // c
+    # no all-true constant unless nothing applies: kernels on tiles build masks from rules only
+    base = _and(_base(opts, q_pos, k_pos), same, chunk)
+    if base is None:
+        base = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+        return base
+    # sink tokens: the first s tokens of the query's own segment, never in its future
+    sink = _and(k_segpos < opts.num_sink_tokens, same, k_pos <= q_pos if opts.causal else None)
+    return base | sink if opts.sink_mode == "inline" else sink & ~base
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
     """False only if no query of block q can see any key of block k (bool scalar)."""
-    ok = jnp.asarray(True)
-    if opts.causal:
-        ok &= k.pos_lo <= q.pos_hi
-    if opts.window is not None:
-        left, right = opts.window
-        ok &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
+    same = jnp.asarray(True)
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
-        ok &= (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
+        same = (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
+    base = same
+    if opts.causal:
+        base &= k.pos_lo <= q.pos_hi
+    if opts.window is not None:
+        left, right = opts.window
+        base &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        if opts.has_segments:  # chunk ids restart per document: only the distance bound is known
+            base &= (k.pos_hi >= q.pos_lo - (c - 1)) & (k.pos_lo <= q.pos_hi + (c - 1))
+        else:
+            base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
+    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+        return base
+    sink = same & (k.segpos_lo < opts.num_sink_tokens)
+    if opts.causal:
+        sink &= k.pos_lo <= q.pos_hi
+    return base | sink if opts.sink_mode == "inline" else sink
+
+
+def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
+    """True only if every query of block q sees every key of block k (bool, broadcasts).
+
+    Kernels skip the element-wise mask on such block pairs.
+    """
+    if opts.sink_mode == "only":
+        return jnp.asarray(False)  # sinks the base rule hides: never a whole block
+    ok = jnp.asarray(True)
+    if opts.causal:
+        ok &= k.pos_hi <= q.pos_lo
+    if opts.window is not None:
+        left, right = opts.window
+        ok &= (k.pos_lo >= q.pos_hi - left) & (k.pos_hi <= q.pos_lo + right)
+    if opts.chunk_size is not None:
+        c = opts.chunk_size
+        if opts.has_segments:
+            return jnp.asarray(False)  # per-document chunks: never claimed whole
+        ok &= (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (q.pos_lo // c == k.pos_lo // c)
+    if opts.has_segments:
+        ok &= (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi) & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)
     return ok
 
 
 def may_skip(opts: AttentionOptions) -> bool:
     """Whether any block pair can be empty at all (static)."""
-    return opts.causal or opts.window is not None or opts.has_segments
+    return (opts.causal or opts.window is not None or opts.has_segments or opts.chunk_size is not None
+            or opts.sink_mode == "only")
 
 
 def logits(qk: jnp.ndarray, opts: AttentionOptions) -> jnp.ndarray:
@@ -106,3 +174,33 @@ def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarr
         return s, jnp.asarray(opts.softmax_scale, qk.dtype)
     t = jnp.tanh(s / opts.logits_soft_cap)
     return opts.logits_soft_cap * t, opts.softmax_scale * (1.0 - t * t)
+
+
+def alibi_distance(q_pos, k_pos) -> jnp.ndarray:
+    """-|i - j| [Tq, Tk] float32: ALiBi adds slope[h] times this to the logits (after the soft cap)."""
+    return -jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+
+
+def _fmix32(x):
+    # murmur3's finaliser: a bijection on uint32 with full avalanche
+    x ^= x >> 16
+    x *= jnp.uint32(0x85EBCA6B)
+    x ^= x >> 13
+    x *= jnp.uint32(0xC2B2AE35)
+    x ^= x >> 16
+    return x
+
+
+def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:
+    """Counter-based dropout mask: a pure function of (seed, batch*heads+head, i, j).
+
+    `batch_head` broadcasts against [Tq, Tk] (e.g. shape [B, H, 1, 1]); the same key
+    and global positions give the same mask on any ring size and layout.
+    """
+    qp = q_pos.astype(jnp.uint32)[:, None]
+    kp = k_pos.astype(jnp.uint32)[None, :]
+    x = _fmix32(qp * jnp.uint32(0x9E3779B1) ^ (kp * jnp.uint32(0x85EBCA77) + jnp.uint32(0x27D4EB2F)))
+    x = _fmix32(x ^ (batch_head.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D) + seed[0]))
+    x = _fmix32(x ^ seed[1])
+    threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    return x >= threshold

@@ -33,6 +33,13 @@ class AttentionOptions:
     axis_size: int = 1
     has_segments: bool = False
     has_sinks: bool = False
+    chunk_size: int | None = None
+    has_alibi: bool = False
+    dropout_rate: float = 0.0
+    num_sink_tokens: int = 0
+    # which part of the sink-token rule a ring step applies: "inline" (base | sinks),
+    # "exclude" (base only) or "only" (sinks the base rule hides); set by the ring
+    sink_mode: str = "inline"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -53,6 +60,14 @@ class AttentionOptions:
             )
         if self.axis_size < 1:
             raise ValueError(f"axis_size must be >= 1, got {self.axis_size}")
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {self.chunk_size}")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+        if self.num_sink_tokens < 0:
+            raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+        if self.sink_mode not in ("inline", "exclude", "only"):
+            raise ValueError(f"sink_mode must be inline, exclude or only, got {self.sink_mode!r}")
 
     @property
     def shards_per_device(self) -> int:
@@ -90,7 +105,8 @@ def _is_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, local: bool) -> None:
+def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, local: bool,
+                 alibi_slopes=None, dropout_rate=0.0, dropout_rng=None) -> None:
     """Raise ValueError/TypeError naming the argument for every misuse.
 
     `local` means q, k, v are per-device shards (inside shard_map); otherwise they
@@ -143,6 +159,17 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
             raise ValueError(f"sinks must have shape [heads] = ({heads},), got {sinks.shape}")
         if not _is_float(sinks.dtype):
             raise TypeError(f"sinks must be a floating-point array, got {sinks.dtype}")
+    if alibi_slopes is not None:
+        if not hasattr(alibi_slopes, "shape"):
+            raise TypeError(f"alibi_slopes must be a float array of shape [heads], got {type(alibi_slopes).__name__}")
+        if alibi_slopes.shape != (heads,):
+            raise ValueError(f"alibi_slopes must have shape [heads] = ({heads},), got {alibi_slopes.shape}")
+        if not _is_float(alibi_slopes.dtype):
+            raise TypeError(f"alibi_slopes must be a floating-point array, got {alibi_slopes.dtype}")
+    if dropout_rate and dropout_rng is None:
+        raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key)")
+    if dropout_rng is not None and not dropout_rate:
+        raise ValueError("dropout_rng was given but dropout_rate is 0: pass dropout_rate > 0 or drop dropout_rng")
 
 
 def make_options(
@@ -157,6 +184,10 @@ def make_options(
     axis_size,
     has_segments,
     has_sinks,
+    chunk_size=None,
+    has_alibi=False,
+    dropout_rate=0.0,
+    num_sink_tokens=0,
 ) -> AttentionOptions:
     """Turn user keyword arguments into one validated AttentionOptions."""
     if not isinstance(causal, bool):
@@ -168,6 +199,16 @@ def make_options(
     softmax_scale = _static_number(softmax_scale, "softmax_scale", float)
     if logits_soft_cap is not None:
         logits_soft_cap = _static_number(logits_soft_cap, "logits_soft_cap", float)
+    if chunk_size is not None:
+        chunk_size = _static_number(chunk_size, "chunk_size", int)
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
+    dropout_rate = _static_number(dropout_rate, "dropout_rate", float)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    num_sink_tokens = _static_number(num_sink_tokens, "num_sink_tokens", int)
+    if num_sink_tokens < 0:
+        raise ValueError(f"num_sink_tokens must be >= 0, got {num_sink_tokens}")
     return AttentionOptions(
         causal=causal,
         window=normalize_window(sliding_window, causal),
@@ -178,4 +219,8 @@ def make_options(
         axis_size=axis_size,
         has_segments=has_segments,
         has_sinks=has_sinks,
+        chunk_size=chunk_size,
+        has_alibi=has_alibi,
+        dropout_rate=dropout_rate,
+        num_sink_tokens=num_sink_tokens,
     )

@@ -58,8 +58,23 @@ class Implementation(Protocol):
     def candidate_configs(self, problem: Problem) -> list[Any]:
         """Configs worth timing when autotuning this problem."""
 
-    def run(self, problem: Problem, config, q, k, v, q_seg, kv_seg, sinks) -> tuple[Any, Any]:
-        """Per-device, differentiable: (out, lse)."""
+    def run(self, problem: Problem, config, q, k, v, q_seg, kv_seg, sinks, extras) -> tuple[Any, Any]:
+        """Per-device, differentiable: (out, lse). `extras` is a masks.Extras."""
+
+
+def run_per_device(impl: Implementation, problem: Problem, config, q, k, v, seg, sinks, extras):
+    """Run `impl` on one device's shards, inside shard_map or on one device."""
+    from ringjax import _compat
+
+    axis = problem.opts.axis_name
+    if axis is not None:
+        # parameters replicated over the ring get one gradient per device; the cast's
+        # transpose sums them
+        if sinks is not None:
+            sinks = _compat.to_varying(sinks, axis)
+        if extras.alibi_slopes is not None:
+            extras = extras._replace(alibi_slopes=_compat.to_varying(extras.alibi_slopes, axis))
+    return impl.run(problem, config, q, k, v, seg, seg, sinks, extras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +225,17 @@ def _from_json(value, where: str):
 
 
 register("ring_attention", "xla", platforms=("cpu", "gpu", "tpu"), priority=0, target="ringjax.xla:IMPLEMENTATION")
+register(
+    "ring_attention", "pallas_gpu", platforms=("gpu",), priority=10, target="ringjax.pallas.gpu:IMPLEMENTATION"
+)
+# the GPU kernels run by the Pallas interpreter: for tests on any platform, never picked by "auto"
+register(
+    "ring_attention",
+    "pallas_gpu_interpret",
+    platforms=("cpu", "gpu"),
+    priority=-10,
+    target="ringjax.pallas.gpu:INTERPRET_IMPLEMENTATION",
+)
 register("ring_attention", "pallas_tpu", platforms=("tpu",), priority=20, target="ringjax.pallas.tpu:IMPLEMENTATION")
 # the same TPU kernels run by the Pallas TPU interpreter on CPU: for tests, never chosen by "auto"
 register(

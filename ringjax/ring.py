@@ -13,11 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ringjax import _compat
 from ringjax.layouts import local_positions
-from ringjax.masks import TokenInfo, block_range, maybe_visible
+from ringjax.masks import Extras, TokenInfo, block_range, maybe_visible
 from ringjax.merge import merge_attention
 from ringjax.options import AttentionOptions
 from ringjax.schedule import ring_plan, steps_may_be_empty
@@ -27,23 +28,25 @@ from ringjax.schedule import ring_plan, steps_may_be_empty
 class BlockKernel:
     """One ring step: all local queries against one shard of keys.
 
-    fwd(q, k, v, q_info, k_info, opts, config) -> (out f32 [B,T,H,D], lse f32 [B,H,T])
-    bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config) -> (dq, dk, dv), float32,
+    fwd(q, k, v, q_info, k_info, extras, opts, config) -> (out f32 [B,T,H,D], lse f32 [B,H,T])
+    bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
+      -> (dq, dk, dv, d alibi_slopes or None), float32,
       where lse is the final (whole-ring) lse and delta = rowsum(dout * out) - dlse.
     Both must give exact zeros (and lse -inf) for rows that see no key.
-    lockstep: the kernel must run on every device at every step (the Pallas TPU
-      interpreter synchronises all devices at each kernel), so steps the mask empties
-      are not skipped with lax.cond around it; the kernel skips their tiles itself.
-    ring_fwd, ring_bwd: optional replacements of the whole forward / backward ring (e.g.
-      one fused kernel that moves K/V itself):
-      ring_fwd(q, k, v, q_seg, kv_seg, opts, config) -> (out f32, lse), before sinks;
-      ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config) -> (dq, dk, dv) f32.
+    `skips_empty_steps`: the kernel itself does no work on a step the mask empties,
+    so the ring runs it unconditionally instead of under `lax.cond` (on GPUs a
+    conditional reads its predicate on the host, stalling the stream every step).
+    `ring_fwd`, `ring_bwd`: optional replacements of the whole forward / backward ring
+    (e.g. one fused kernel that moves K/V itself):
+      ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
+      ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
+        -> (dq, dk, dv, d alibi_slopes or None), float32.
     """
 
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
-    lockstep: bool = False
+    skips_empty_steps: bool = False
     ring_fwd: Callable[..., Any] | None = None
     ring_bwd: Callable[..., Any] | None = None
 
@@ -64,36 +67,89 @@ def _shard_index(opts: AttentionOptions):
 
 def _run_step(opts, kernel, q_info, k_info, compute, empty):
     """Run `compute` unless the mask hides every key of this step from every query."""
-    if kernel.lockstep or not steps_may_be_empty(opts):
+    if kernel.skips_empty_steps or not steps_may_be_empty(opts):
         return compute()
     pred = maybe_visible(opts, block_range(q_info), block_range(k_info))
     return lax.cond(pred, compute, empty)
 
 
-def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg):
+def _segment_offsets(seg, pos, opts: AttentionOptions):
+    """Offset [B or 1, T] of each local token within its run of equal segment ids.
+
+    Sink tokens and per-document chunks need it. A run may begin on another shard, so the segment ids
+    of the whole sequence (a few bytes per token) are gathered once.
+    """
+    if not opts.has_segments:
+        return pos[None, :]
+    n, local = opts.axis_size, seg.shape[1]
+    if n > 1:
+        gathered = lax.all_gather(seg, opts.axis_name, axis=1, tiled=True)  # shard order
+        order = np.argsort(np.concatenate(
+            [local_positions(opts.layout, r, n, local, xp=np) for r in range(n)]))
+        seg = gathered[:, order]  # natural order
+    idx = jnp.arange(seg.shape[1], dtype=jnp.int32)
+    boundary = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+    start = lax.cummax(jnp.where(boundary, idx, 0), axis=1)
+    return (idx - start)[:, pos]
+
+
+def _infos(opts, shard, q, q_seg):
+    t = q.shape[1]
+    pos = local_positions(opts.layout, shard, opts.axis_size, t)
+    needs = opts.num_sink_tokens or (opts.chunk_size is not None and opts.has_segments)
+    segpos = _segment_offsets(q_seg, pos, opts) if needs else None
+    return TokenInfo(pos, q_seg, segpos)
+
+
+def _sink_onehot(pos, s, dtype):
+    return (pos[None, :] == jnp.arange(s, dtype=pos.dtype)[:, None]).astype(dtype)  # [s, L]
+
+
+def _sink_kv(x, pos, opts):
+    """K or V of the first s global tokens, on every device (only without segments)."""
+    s = opts.num_sink_tokens
+    # HIGHEST: a one-hot product must copy values exactly (no TF32 rounding on GPUs)
+    part = jnp.einsum("sl,blhd->bshd", _sink_onehot(pos, s, x.dtype), x, preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST)
+    return lax.psum(part, opts.axis_name).astype(x.dtype)
+
+
+def _sink_info(opts):
+    pos = jnp.arange(opts.num_sink_tokens, dtype=jnp.int32)
+    return TokenInfo(pos, None, pos[None, :])
+
+
+def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     b, t, h, _ = q.shape
     n = opts.axis_size
     shard = _shard_index(opts)
     plan = ring_plan(opts, t)
-    q_info = TokenInfo(local_positions(opts.layout, shard, n, t), q_seg)
-    kv = _shift((k, v, kv_seg), opts, -plan.offset)
+    q_info = _infos(opts, shard, q, q_seg)
+    ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
+    kv = _shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
     out = lse = None
     for step in range(plan.num_steps):
         # issue the next transfer before this step's compute so the two overlap
         nxt = _shift(kv, opts, 1) if step + 1 < plan.num_steps else None
-        k_cur, v_cur, seg_cur = kv
-        k_info = TokenInfo(local_positions(opts.layout, plan.source(shard, step, n), n, t), seg_cur)
+        k_cur, v_cur, seg_cur, segpos_cur = kv
+        src = plan.source(shard, step, n)
+        k_info = TokenInfo(local_positions(opts.layout, src, n, t), seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
-            return kernel.fwd(q, k_cur, v_cur, q_info, k_info, opts, config)
+            return kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config)
 
-        def empty():
+        def empty(k_cur=k_cur):
             zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
-        o, l = _run_step(opts, kernel, q_info, k_info, compute, empty)
+        o, l = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
         kv = nxt
+    if plan.sink_step:
+        sink_opts = dataclasses.replace(opts, sink_mode="only")
+        k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
+        o, l = kernel.fwd(q, k_s, v_s, q_info, _sink_info(opts), extras, sink_opts, config)
+        out, lse = merge_attention(out, lse, o, l)
     return out, lse
 
 
@@ -106,81 +162,98 @@ def _add_sinks(out, lse, sinks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks):
+def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=Extras()):
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
-    out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks)
+    out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return out, lse
 
 
-def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks):
+def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
     if kernel.ring_fwd is not None:
-        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, opts, config)
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config)
     else:
-        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg)
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
     if sinks is not None:
         out, lse = _add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)
-    return out, lse, (q, k, v, q_seg, kv_seg, sinks, out, lse)
+    return out, lse, (q, k, v, q_seg, kv_seg, sinks, extras, out, lse)
 
 
-def _fwd_rule(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks):
-    out, lse, res = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks)
+def _fwd_rule(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    out, lse, res = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return (out, lse), res
 
 
 def _bwd_rule(opts, kernel, config, res, cts):
-    q, k, v, q_seg, kv_seg, sinks, out, lse = res
+    q, k, v, q_seg, kv_seg, sinks, extras, out, lse = res
     dout, dlse = cts
     dout = dout.astype(q.dtype)
     # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
-    delta = jnp.einsum("bthd,bthd->bht", dout.astype(jnp.float32), out.astype(jnp.float32))
+    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
     delta = delta - dlse.astype(jnp.float32)
-    if kernel.ring_bwd is not None:
-        dq, dk, dv = kernel.ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config)
-    else:
-        dq, dk, dv = _ring_backward(opts, kernel, config, q, k, v, q_seg, kv_seg, dout, lse, delta)
+    alibi = extras.alibi_slopes is not None
+    ring_bwd = kernel.ring_bwd if kernel.ring_bwd is not None else functools.partial(_ring_backward, kernel)
+    dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
 
     dsinks = None
     if sinks is not None:
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
         dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks)
+    dextras = Extras(
+        alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype),
+        dropout_seed=None,
+    )
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
 
 
-def _ring_backward(opts, kernel, config, q, k, v, q_seg, kv_seg, dout, lse, delta):
+def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     t = q.shape[1]
     n = opts.axis_size
     shard = _shard_index(opts)
     plan = ring_plan(opts, t)
-    q_info = TokenInfo(local_positions(opts.layout, shard, n, t), q_seg)
+    ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
+    q_info = _infos(opts, shard, q, q_seg)
+    alibi = extras.alibi_slopes is not None
 
-    kv = _shift((k, v, kv_seg), opts, -plan.offset)
-    dq = None
-    dkv = None
+    kv = _shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
+    dq = dkv = dslopes = None
     for step in range(plan.num_steps):
         nxt = _shift(kv, opts, 1) if step + 1 < plan.num_steps else None
-        k_cur, v_cur, seg_cur = kv
-        k_info = TokenInfo(local_positions(opts.layout, plan.source(shard, step, n), n, t), seg_cur)
+        k_cur, v_cur, seg_cur, segpos_cur = kv
+        k_info = TokenInfo(local_positions(opts.layout, plan.source(shard, step, n), n, t), seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
-            return kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, opts, config)
+            return kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config)
 
         def empty(k_cur=k_cur):
             refs = (q, k_cur, dout)
-            return (
-                _compat.match_vma(jnp.zeros(q.shape, jnp.float32), *refs),
-                _compat.match_vma(jnp.zeros(k.shape, jnp.float32), *refs),
-                _compat.match_vma(jnp.zeros(v.shape, jnp.float32), *refs),
-            )
+            zeros = [_compat.match_vma(jnp.zeros(x.shape, jnp.float32), *refs) for x in (q, k, v)]
+            slopes = _compat.match_vma(jnp.zeros(q.shape[2], jnp.float32), *refs) if alibi else None
+            return (*zeros, slopes)
 
-        dq_s, dk_s, dv_s = _run_step(opts, kernel, q_info, k_info, compute, empty)
+        dq_s, dk_s, dv_s, dsl_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
         dq = dq_s if dq is None else dq + dq_s
+        dslopes = dsl_s if dslopes is None else dslopes + dsl_s
         dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)
         if step + 1 < plan.num_steps:
             dkv = _shift(dkv, opts, 1)  # dK/dV travel with the K/V they belong to
         kv = nxt
     dk, dv = _shift(dkv, opts, plan.home_shift)
-    return dq, dk, dv
+
+    if plan.sink_step:
+        sink_opts = dataclasses.replace(opts, sink_mode="only")
+        k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
+        dq_s, dk_s, dv_s, dsl_s = kernel.bwd(q, k_s, v_s, dout, lse, delta, q_info, _sink_info(opts), extras,
+                                             sink_opts, config)
+        dq = dq + dq_s
+        dslopes = None if dsl_s is None else dslopes + dsl_s
+        onehot = _sink_onehot(q_info.pos, opts.num_sink_tokens, jnp.float32)
+        # every device touched the sink keys: sum, then each owner keeps its own slots
+        hi = lax.Precision.HIGHEST
+        dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name), precision=hi)
+        dv = dv + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dv_s, opts.axis_name), precision=hi)
+
+    return dq, dk, dv, dslopes
 
 
 ring_attention_shard.defvjp(_fwd_rule, _bwd_rule)

@@ -18,6 +18,8 @@ from ringjax.options import AttentionOptions
 class RingPlan:
     offset: int  # device r starts with the K/V of shard r + offset
     num_steps: int
+    # sink tokens the shortened ring would not reach get one extra step of their own
+    sink_step: bool = False
 
     def source(self, shard, step: int, axis_size: int):
         """Index of the shard whose K/V a device holds at `step` (shard may be traced)."""
@@ -29,25 +31,40 @@ class RingPlan:
         return self.offset - self.num_steps + 1
 
 
+def reach(opts: AttentionOptions) -> tuple[int, int] | None:
+    """How far (left, right) in positions a query can see, if the mask bounds it."""
+    bounds = []
+    if opts.window is not None:
+        bounds.append(opts.window)
+    if opts.chunk_size is not None:
+        c = opts.chunk_size - 1
+        bounds.append((c, 0 if opts.causal else c))
+    if not bounds:
+        return None
+    return min(b[0] for b in bounds), min(b[1] for b in bounds)
+
+
 def ring_plan(opts: AttentionOptions, local_len: int) -> RingPlan:
     n = opts.axis_size
-    if opts.layout == "contiguous" and opts.window is not None:
-        left, right = opts.window
+    span = reach(opts)
+    if opts.layout == "contiguous" and span is not None:
+        left, right = span
         back = -(-left // local_len)  # ceil: shards behind that the window reaches
         ahead = -(-right // local_len)
-        if back + ahead + 1 < n:
-            return RingPlan(offset=ahead, num_steps=back + ahead + 1)
+        # sinks of packed segments can sit on any shard: those need the whole ring
+        if back + ahead + 1 < n and not (opts.num_sink_tokens and opts.has_segments):
+            return RingPlan(offset=ahead, num_steps=back + ahead + 1, sink_step=opts.num_sink_tokens > 0)
     return RingPlan(offset=0, num_steps=n)
 
 
 def steps_may_be_empty(opts: AttentionOptions) -> bool:
     """Whether a whole ring step can be masked out for some device (static).
 
-    Zigzag and striped spread every shard over the sequence, so position masks never
-    empty a whole step there; segments can empty a step under any layout.
+    Zigzag and striped spread every shard over the sequence, so causal and window
+    masks never empty a whole step there; segments and chunks can, under any layout.
     """
     if opts.axis_size == 1:
         return False
-    if opts.has_segments:
+    if opts.has_segments or opts.chunk_size is not None:
         return True
     return opts.layout == "contiguous" and (opts.causal or opts.window is not None)

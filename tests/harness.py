@@ -18,7 +18,7 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 5e-3}
 
 
 def make_inputs(seed, *, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtype="float32",
-                segments=None, sinks=False):
+                segments=None, sinks=False, alibi=False, dropout_key=None):
     """Fresh random q, k, v and cotangents, exactly representable in `dtype`.
 
     `segments`: None, a list of segment lengths, or "random" (packed documents with padding).
@@ -40,6 +40,10 @@ def make_inputs(seed, *, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtyp
             np.repeat(np.arange(len(segments)), segments), (batch, seq)).astype(np.int32)
     if sinks:
         x["sinks"] = rng.standard_normal(heads).astype(np.float32)
+    if alibi:
+        x["alibi_slopes"] = rng.uniform(0.05, 1.0, heads).astype(np.float32)
+    if dropout_key is not None:
+        x["dropout_rng"] = np.asarray(jax.random.key_data(jax.random.key(dropout_key)))
     return x
 
 
@@ -56,35 +60,43 @@ def random_segments(rng, batch, seq):
 
 
 def mesh_of(n):
+    if n > len(jax.devices()):
+        import pytest
+
+        pytest.skip(f"needs {n} devices, {len(jax.devices())} {jax.default_backend()} devices here")
     return jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(n, layout, mode, kw_items, has_seg, has_sinks):
+def _compiled(n, layout, mode, kw_items, has_seg, has_sinks, has_alibi):
     kw = dict(kw_items)
     mesh = mesh_of(n)
 
-    def loss_and_out(q, k, v, seg, sinks, dout, dlse):
-        def attn(q, k, v, seg, sinks):
+    def loss_and_out(q, k, v, seg, sinks, alibi, rng, dout, dlse):
+        def attn(q, k, v, seg, sinks, alibi, rng):
+            if rng is not None:
+                rng = jax.random.wrap_key_data(rng)
             return ringjax.ring_attention(q, k, v, axis_name="sp", layout=layout, segment_ids=seg, sinks=sinks,
-                                          return_lse=True, **kw)
+                                          alibi_slopes=alibi, dropout_rng=rng, return_lse=True, **kw)
 
         if mode == "shard_map":
             spec = P(None, "sp")
-            attn = jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec, None if seg is None else spec,
-                                                            None if sinks is None else P()),
+            maybe = lambda x, s: None if x is None else s  # noqa: E731
+            attn = jax.shard_map(attn, mesh=mesh, in_specs=(spec, spec, spec, maybe(seg, spec), maybe(sinks, P()),
+                                                            maybe(alibi, P()), maybe(rng, P())),
                                  out_specs=(spec, P(None, None, "sp")))
-        out, lse = attn(q, k, v, seg, sinks)
+        out, lse = attn(q, k, v, seg, sinks, alibi, rng)
         val = (out.astype(jnp.float32) * dout).sum() + jnp.where(jnp.isfinite(lse), lse * dlse, 0.0).sum()
         return val, (out, lse)
 
-    grad_args = (0, 1, 2) + ((4,) if has_sinks else ())
+    grad_args = (0, 1, 2) + ((4,) if has_sinks else ()) + ((5,) if has_alibi else ())
     return jax.jit(jax.value_and_grad(loss_and_out, argnums=grad_args, has_aux=True)), mesh
 
 
 def run_ring(x, n, *, layout="contiguous", mode="shard_map", **kw):
     """Outputs, lse and gradients of ringjax on n devices, in natural token order, as float64 numpy."""
-    fn, mesh = _compiled(n, layout, mode, tuple(sorted(kw.items())), "segment_ids" in x, "sinks" in x)
+    fn, mesh = _compiled(n, layout, mode, tuple(sorted(kw.items())), "segment_ids" in x, "sinks" in x,
+                         "alibi_slopes" in x)
     seq_sharding = NamedSharding(mesh, P(None, "sp"))
     to = functools.partial(ringjax.to_layout, layout=layout, axis_size=n, axis=1)
     dtype = x["dtype"]
@@ -92,12 +104,14 @@ def run_ring(x, n, *, layout="contiguous", mode="shard_map", **kw):
     seg = None
     if "segment_ids" in x:
         seg = jax.device_put(to(jnp.asarray(x["segment_ids"])), seq_sharding)
-    sinks = jax.device_put(jnp.asarray(x["sinks"]), NamedSharding(mesh, P())) if "sinks" in x else None
+    rep = NamedSharding(mesh, P())
+    sinks, alibi, rng = (jax.device_put(jnp.asarray(x[name]), rep) if name in x else None
+                         for name in ("sinks", "alibi_slopes", "dropout_rng"))
     dout = jax.device_put(to(jnp.asarray(x["dout"])), seq_sharding)
     dlse = jax.device_put(ringjax.to_layout(jnp.asarray(x["dlse"]), layout, n, axis=2),
                           NamedSharding(mesh, P(None, None, "sp")))
     with jax.set_mesh(mesh):
-        (_, (out, lse)), grads = fn(q, k, v, seg, sinks, dout, dlse)
+        (_, (out, lse)), grads = fn(q, k, v, seg, sinks, alibi, rng, dout, dlse)
     back = functools.partial(ringjax.from_layout, layout=layout, axis_size=n, axis=1)
     res = {
         "out": np.asarray(back(np.asarray(out.astype(jnp.float32))), np.float64),
@@ -106,19 +120,26 @@ def run_ring(x, n, *, layout="contiguous", mode="shard_map", **kw):
         "dk": np.asarray(back(np.asarray(grads[1].astype(jnp.float32))), np.float64),
         "dv": np.asarray(back(np.asarray(grads[2].astype(jnp.float32))), np.float64),
     }
+    extra = iter(grads[3:])
     if "sinks" in x:
-        res["dsinks"] = np.asarray(grads[3], np.float64)
+        res["dsinks"] = np.asarray(next(extra), np.float64)
+    if "alibi_slopes" in x:
+        res["dalibi"] = np.asarray(next(extra), np.float64)
     res["out_dtype"] = str(out.dtype)
     return res
 
 
 def reference_for(x, **kw):
     """The float64 reference for the same inputs and features."""
-    ref_kw = {name: kw[name] for name in ("causal", "softmax_scale", "logits_soft_cap") if name in kw}
+    names = ("causal", "softmax_scale", "logits_soft_cap", "chunk_size", "num_sink_tokens", "dropout_rate")
+    ref_kw = {name: kw[name] for name in names if name in kw}
     if kw.get("sliding_window") is not None:
         ref_kw["window"] = kw["sliding_window"]
+    if "dropout_rng" in x:
+        key = jax.random.wrap_key_data(jnp.asarray(x["dropout_rng"]))
+        ref_kw["dropout_seed"] = np.asarray(jax.random.bits(key, (2,), jnp.uint32))
     return attention_reference(x["q"], x["k"], x["v"], segment_ids=x.get("segment_ids"), sinks=x.get("sinks"),
-                               dout=x["dout"], dlse=x["dlse"], **ref_kw)
+                               alibi_slopes=x.get("alibi_slopes"), dout=x["dout"], dlse=x["dlse"], **ref_kw)
 
 
 def rel_err(got, ref):
@@ -130,7 +151,7 @@ def rel_err(got, ref):
     return num / den
 
 
-def check_against_reference(got, ref, dtype, names=("out", "lse", "dq", "dk", "dv", "dsinks")):
+def check_against_reference(got, ref, dtype, names=("out", "lse", "dq", "dk", "dv", "dsinks", "dalibi")):
     tol = TOLERANCE[dtype]
     for name in names:
         if name not in ref:

@@ -8,7 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import check_against_reference, make_inputs, mesh_of, reference_for, rel_err
+from harness import make_inputs, mesh_of, reference_for, rel_err
 from reference import attention_reference
 
 
@@ -52,6 +52,7 @@ def test_global_mode(how, layout):
 def test_global_mode_keeps_batch_and_heads_sharded():
     """Data-parallel batch and tensor-parallel heads stay sharded: no gather, same result."""
     x = make_inputs(13, batch=2, seq=16, heads=4, kv_heads=2)
+    mesh_of(8)  # skips where fewer devices exist
     mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"), axis_types=(AxisType.Explicit,) * 3)
     spec = P("dp", None, "tp", None)
     q, k, v = (jax.device_put(a, NamedSharding(mesh, spec)) for a in _arrays(x))
@@ -157,3 +158,15 @@ def test_errors_inside_shard_map_are_raised_while_tracing():
         _call_local(4, q, k, v, layout="zigzag")  # local length 3
     with pytest.raises(ValueError, match="not bound"):
         _call_local(2, q, k, v, axis_name="other")
+
+
+def test_single_device_mode_accepts_sequence_sharded_arrays():
+    x = make_inputs(16, seq=16)
+    mesh = mesh_of(4)
+    q, k, v = (jax.device_put(a, NamedSharding(mesh, P(None, "sp"))) for a in _arrays(x))
+    out = ringjax.ring_attention(q, k, v, axis_name=None, causal=True)
+    with jax.set_mesh(mesh):
+        traced = jax.jit(lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, causal=True))(q, k, v)
+    ref = attention_reference(x["q"], x["k"], x["v"], causal=True)
+    assert rel_err(np.asarray(out), ref["out"]) < 1e-5
+    assert rel_err(np.asarray(traced), ref["out"]) < 1e-5

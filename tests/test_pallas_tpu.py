@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import ringjax
 from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
 from ringjax import registry
+from ringjax.masks import Extras
 from ringjax.options import AttentionOptions
 
 pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
@@ -174,7 +175,7 @@ def test_naming_pallas_tpu_on_cpu_says_why():
 
 @dataclasses.dataclass(frozen=True)
 class _FutureOptions(AttentionOptions):
-    chunk_size: int | None = None  # a feature these kernels do not know
+    future_rule: int | None = None  # a feature added after these kernels
 
 
 @pytest.mark.parametrize(
@@ -183,7 +184,11 @@ class _FutureOptions(AttentionOptions):
         (_problem("tpu", dtype="float16"), "dtype float16 not supported"),
         (_problem("tpu", head_dim=80), "head_dim 80 not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
-        (_problem("tpu", opts=_FutureOptions(chunk_size=4)), "chunk_size not implemented"),
+        (_problem("tpu", opts=AttentionOptions(chunk_size=4)), "chunk_size not implemented"),
+        (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "has_alibi not implemented"),
+        (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "dropout_rate not implemented"),
+        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "num_sink_tokens not implemented"),
+        (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule not implemented"),
     ],
 )
 def test_refusals_name_the_reason(problem, reason):
@@ -232,7 +237,7 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
 
     def per_device(q, k, v, seg, w):
         def loss(q, k, v):
-            out, lse = IMPLEMENTATION.run(problem, config, q, k, v, seg, seg, None)
+            out, lse = IMPLEMENTATION.run(problem, config, q, k, v, seg, seg, None, Extras())
             return (out.astype(jnp.float32) * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

@@ -31,5 +31,5 @@ def problems(draw):
 def test_random_problems_match_reference(problem):
     n, layout, shape, kw, blocks, seed = problem
     x = make_inputs(seed, **shape)
-    got = run_ring(x, n, layout=layout, config=blocks, **kw)
+    got = run_ring(x, n, layout=layout, implementation="xla", config=blocks, **kw)
     check_against_reference(got, reference_for(x, **kw), "float32")

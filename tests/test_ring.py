@@ -13,7 +13,7 @@ LAYOUTS = ["contiguous", "zigzag", "striped"]
 
 
 def _check(x, n, layout="contiguous", **kw):
-    got = run_ring(x, n, layout=layout, config=_small_blocks(), **kw)
+    got = run_ring(x, n, layout=layout, implementation="xla", config=_small_blocks(), **kw)
     assert got["out_dtype"] == x["dtype"]
     check_against_reference(got, reference_for(x, **kw), x["dtype"])
     return got
@@ -81,7 +81,7 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
 def test_reference_check_can_fail():
     """The comparison detects a wrong result (a dropped key block changes everything)."""
     x = make_inputs(5, seq=32)
-    got = run_ring(x, 4, causal=True, config=_small_blocks())
+    got = run_ring(x, 4, causal=True, implementation="xla", config=_small_blocks())
     ref = reference_for(x, causal=False)
     with pytest.raises(AssertionError):
         check_against_reference(got, ref, "float32")

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -18,7 +17,7 @@ def _compiled(n, seq, fwd_only=False, **kw):
     shapes = [jax.ShapeDtypeStruct((1, seq, 4, 32), jnp.float32, sharding=NamedSharding(mesh, spec))] * 3
 
     def attn(q, k, v):
-        return ringjax.ring_attention(q, k, v, config=XlaConfig(block_q=64, block_kv=64), **kw)
+        return ringjax.ring_attention(q, k, v, implementation="xla", config=XlaConfig(block_q=64, block_kv=64), **kw)
 
     f = jax.shard_map(attn, mesh=mesh, in_specs=spec, out_specs=spec)
     if not fwd_only:

@@ -1,1 +1,1 @@
-"""Pallas backends: one subpackage per platform (tpu, gpu), imported only when selected."""
+"""Pallas backends; each subpackage is one platform and is imported only when selected."""

@@ -26,8 +26,8 @@ class XlaImplementation:
         sizes = sorted({min(s, problem.seq) for s in (128, 256, 512, 1024)})
         return [XlaConfig(block_q=bq, block_kv=bk) for bq in sizes for bk in sizes]
 
-    def run(self, problem: Problem, config: XlaConfig, q, k, v, q_seg, kv_seg, sinks):
-        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks)
+    def run(self, problem: Problem, config: XlaConfig, q, k, v, q_seg, kv_seg, sinks, extras):
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
 IMPLEMENTATION = XlaImplementation()

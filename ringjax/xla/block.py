@@ -13,7 +13,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from ringjax import _compat
-from ringjax.masks import BlockRange, TokenInfo, logits, logits_and_slope, maybe_visible, may_skip, visible
+from ringjax.masks import (
+    BlockRange,
+    Extras,
+    TokenInfo,
+    alibi_distance,
+    dropout_keep,
+    logits,
+    logits_and_slope,
+    maybe_visible,
+    may_skip,
+    visible,
+)
 from ringjax.options import AttentionOptions
 
 
@@ -48,15 +59,21 @@ def _precision(dtype):
 
 
 def _blocks(info: TokenInfo, n: int, size: int):
-    """Positions [n, size], segments [n, B, size] (or None) and per-block ranges."""
+    """Positions [n, size], segment ids and offsets [n, B, size] (or None), per-block ranges."""
     pos = info.pos.reshape(n, size)
-    seg = None
-    if info.seg is not None:
-        seg = jnp.moveaxis(info.seg.reshape(info.seg.shape[0], n, size), 1, 0)
-    lo, hi = pos.min(axis=1), pos.max(axis=1)
-    if seg is None:
-        return pos, seg, BlockRange(lo, hi, None, None)
-    return pos, seg, BlockRange(lo, hi, seg.min(axis=(1, 2)), seg.max(axis=(1, 2)))
+
+    def split(x):
+        return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], n, size), 1, 0)
+
+    seg, segpos = split(info.seg), split(info.segpos)
+    rng = BlockRange(
+        pos.min(axis=1),
+        pos.max(axis=1),
+        None if seg is None else seg.min(axis=(1, 2)),
+        None if seg is None else seg.max(axis=(1, 2)),
+        None if segpos is None else segpos.min(axis=(1, 2)),
+    )
+    return pos, seg, segpos, rng
 
 
 def _pick(rng: BlockRange, i) -> BlockRange:
@@ -92,21 +109,50 @@ def _merge_kv(x):
     return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, kvh, d)
 
 
-def _mask(opts, qp, qs, kp, ks):
-    """Mask broadcastable to scores [B, KVH, G, bq, bk]."""
-    return visible(opts, TokenInfo(qp, qs), TokenInfo(kp, ks))[:, None, None]
+def _at(x, i):
+    return None if x is None else x[i]
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: XlaConfig):
+class _Tile:
+    """Mask, bias and dropout of one (query block, key block) pair, shaped [B|1, KVH, G, bq, bk]."""
+
+    def __init__(self, opts, extras: Extras, qb_info, kb_info, kv_heads, groups):
+        qp, kp = qb_info.pos, kb_info.pos
+        self.vis = visible(opts, qb_info, kb_info)[:, None, None]
+        self.bias = self.dist = None
+        if extras.alibi_slopes is not None:
+            self.dist = alibi_distance(qp, kp)
+            slopes = extras.alibi_slopes.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None, None]
+            self.bias = slopes * self.dist
+        self.rate = opts.dropout_rate
+        if self.rate:
+            self.heads = jnp.arange(kv_heads * groups, dtype=jnp.int32).reshape(1, kv_heads, groups, 1, 1)
+            self.seed, self.qp, self.kp = extras.dropout_seed, qp, kp
+
+    def logits(self, s):
+        s = s if self.bias is None else s + self.bias
+        return jnp.where(self.vis, s, -jnp.inf)
+
+    def dropped(self, x, batch: int):
+        """x * keep / (1 - rate), applied to P (and to dP in backward)."""
+        if not self.rate:
+            return x
+        b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
+        keep = dropout_keep(self.seed, self.rate, b * self.heads.size + self.heads, self.qp, self.kp)
+        return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
     b, t, h, d = q.shape
     s_len, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
     bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
     nq, nk = t // bq, s_len // bk
     prec = _precision(q.dtype)
     qb = _split_q(q, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
-    qpos, qseg, qrng = _blocks(q_info, nq, bq)
-    kpos, kseg, krng = _blocks(k_info, nk, bk)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
     skip = may_skip(opts)
 
     def q_block(i):
@@ -120,18 +166,17 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
         def kv_block(j, carry):
             def compute(carry):
                 m, l, acc = carry
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
-                s = logits(qk, opts)
-                vis = _mask(opts, qpos[i], None if qseg is None else qseg[i], kpos[j], None if kseg is None else kseg[j])
-                s = jnp.where(vis, s, -jnp.inf)
+                s = tile.logits(logits(qk, opts))
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
                 p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
                 alpha = jnp.exp(m - m_safe)
                 l = alpha * l + p.sum(axis=-1)
-                pv = jnp.einsum(
-                    "bhgqk,bhkd->bhgqd", p.astype(v.dtype), vb[j], preferred_element_type=jnp.float32, precision=prec
-                )
+                pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
+                                preferred_element_type=jnp.float32, precision=prec)
                 return m_new, l, alpha[..., None] * acc + pv
 
             if not skip:
@@ -150,9 +195,12 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     return _merge_q(out), lse
 
 
-def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: XlaConfig):
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
+              opts: AttentionOptions, config: XlaConfig):
+    """(dq, dk, dv, d alibi_slopes or None), float32."""
     b, t, h, d = q.shape
     s_len, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
     bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
     nq, nk = t // bq, s_len // bk
     prec = _precision(q.dtype)
@@ -160,43 +208,49 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     lseb, deltab = _split_rows(lse, nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
     lseb = jnp.where(jnp.isfinite(lseb), lseb, 0.0)  # masked rows: all scores -inf, P = 0
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
-    qpos, qseg, qrng = _blocks(q_info, nq, bq)
-    kpos, kseg, krng = _blocks(k_info, nk, bk)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
     skip = may_skip(opts)
     refs = (q, k, dout)
+    alibi = extras.alibi_slopes is not None
 
-    def kv_block(dq_acc, j):
+    def kv_block(carry, j):
         kj, vj = kb[j], vb[j]
 
         def q_block(i, carry):
             def compute(carry):
-                dq_acc, dk, dv = carry
+                dq_acc, dslopes, dk, dv = carry
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qi, doi = qb[i], dob[i]
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32, precision=prec)
                 s, slope = logits_and_slope(qk, opts)
-                vis = _mask(opts, qpos[i], None if qseg is None else qseg[i], kpos[j], None if kseg is None else kseg[j])
-                p = jnp.where(vis, jnp.exp(s - lseb[i][..., None]), 0.0)
-                dv = dv + jnp.einsum(
-                    "bhgqk,bhgqd->bhkd", p.astype(dout.dtype), doi, preferred_element_type=jnp.float32, precision=prec
-                )
+                p = jnp.exp(tile.logits(s) - lseb[i][..., None])  # 0 where masked
+                p_drop = tile.dropped(p, b)
+                dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_drop.astype(dout.dtype), doi,
+                                     preferred_element_type=jnp.float32, precision=prec)
                 dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32, precision=prec)
-                ds = p * (dp - deltab[i][..., None]) * slope
-                dq_i = jnp.einsum(
-                    "bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj, preferred_element_type=jnp.float32, precision=prec
-                )
-                dk = dk + jnp.einsum(
-                    "bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32, precision=prec
-                )
-                return dq_acc.at[i].add(dq_i), dk, dv
+                # d out / d logit = P * (keep/(1-rate) * dP - delta): dropout enters through dP only
+                ds_logit = p * (tile.dropped(dp, b) - deltab[i][..., None])
+                if alibi:
+                    dslopes = dslopes + (ds_logit * tile.dist).sum(axis=(0, 3, 4))
+                ds = ds_logit * slope
+                dq_i = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj,
+                                  preferred_element_type=jnp.float32, precision=prec)
+                dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi,
+                                     preferred_element_type=jnp.float32, precision=prec)
+                return dq_acc.at[i].add(dq_i), dslopes, dk, dv
 
             if not skip:
                 return compute(carry)
             return lax.cond(maybe_visible(opts, _pick(qrng, i), _pick(krng, j)), compute, lambda c: c, carry)
 
+        dq_acc, dslopes = carry
         zeros_kv = _compat.match_vma(jnp.zeros(kj.shape, jnp.float32), *refs)
-        dq_acc, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, zeros_kv, zeros_kv))
-        return dq_acc, (dk, dv)
+        dq_acc, dslopes, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, dslopes, zeros_kv, zeros_kv))
+        return (dq_acc, dslopes), (dk, dv)
 
     dq0 = _compat.match_vma(jnp.zeros(qb.shape, jnp.float32), *refs)
-    dq_acc, (dk, dv) = lax.scan(kv_block, dq0, jnp.arange(nk))
-    return _merge_q(dq_acc), _merge_kv(dk), _merge_kv(dv)
+    ds0 = _compat.match_vma(jnp.zeros((kvh, g), jnp.float32), *refs)
+    (dq_acc, dslopes), (dk, dv) = lax.scan(kv_block, (dq0, ds0), jnp.arange(nk))
+    return _merge_q(dq_acc), _merge_kv(dk), _merge_kv(dv), dslopes.reshape(h) if alibi else None

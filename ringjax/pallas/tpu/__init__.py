@@ -13,27 +13,38 @@ from ringjax.pallas.tpu.config import TpuConfig, pick_block, refusal, sublanes
 from ringjax.registry import Problem
 from ringjax.ring import BlockKernel, ring_attention_shard
 
-KERNEL = BlockKernel(name="pallas_tpu", fwd=block_fwd, bwd=block_bwd)
-# the interpreter holds every device at a barrier in each kernel: no kernel inside lax.cond
-INTERPRETED_KERNEL = BlockKernel(name="pallas_tpu_interpret", fwd=block_fwd, bwd=block_bwd, lockstep=True)
+
+def _fwd(q, k, v, q_info, k_info, extras, opts, config):
+    del extras  # supports() refuses ALiBi and dropout, the only users of extras
+    return block_fwd(q, k, v, q_info, k_info, opts, config)
 
 
-def _fused_forward(*args):
+def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+    del extras
+    return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+
+
+KERNEL = BlockKernel(name="pallas_tpu", fwd=_fwd, bwd=_bwd)
+# The interpreter holds every device at a barrier in each kernel, so no kernel may sit
+# inside lax.cond: the ring runs every step and the kernel skips empty tiles itself.
+INTERPRETED_KERNEL = BlockKernel(name="pallas_tpu_interpret", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
+
+
+def _fused_forward(q, k, v, q_seg, kv_seg, extras, opts, config):
     from ringjax.pallas.tpu.ring import fused_forward
 
-    return fused_forward(*args)
+    return fused_forward(q, k, v, q_seg, kv_seg, opts, config)
 
 
-def _fused_backward(*args):
+def _fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     from ringjax.pallas.tpu.ring import fused_backward
 
-    return fused_backward(*args)
+    return (*fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config), None)
 
 
 # forward and backward rings each one kernel that moves K/V (and dK/dV) by remote DMA
-FUSED_KERNEL = BlockKernel(name="pallas_tpu_fused", fwd=block_fwd, bwd=block_bwd, ring_fwd=_fused_forward,
-                           ring_bwd=_fused_backward)
-INTERPRETED_FUSED_KERNEL = dataclasses.replace(FUSED_KERNEL, name="pallas_tpu_fused_interpret", lockstep=True)
+FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_tpu_fused", ring_fwd=_fused_forward, ring_bwd=_fused_backward)
+INTERPRETED_FUSED_KERNEL = dataclasses.replace(FUSED_KERNEL, name="pallas_tpu_fused_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +73,7 @@ class TpuImplementation:
             if bq * problem.gqa_ratio <= 4096
         ]
 
-    def run(self, problem: Problem, config: TpuConfig, q, k, v, q_seg, kv_seg, sinks):
+    def run(self, problem: Problem, config: TpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         if self.interpret and not config.interpret:
             raise ValueError(
                 f"{self.name} runs the TPU kernels in the Pallas interpreter: pass TpuConfig(interpret=True)"
@@ -71,7 +82,7 @@ class TpuImplementation:
             kernel = INTERPRETED_FUSED_KERNEL if config.interpret else FUSED_KERNEL
         else:
             kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
-        return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks)
+        return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
 IMPLEMENTATION = TpuImplementation()

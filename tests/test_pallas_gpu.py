@@ -1,0 +1,169 @@
+"""The Pallas GPU (Triton) ring step against the float64 reference.
+
+On a GPU the kernels run compiled ("pallas_gpu"); on CPU the very same kernels run
+in the Pallas interpreter ("pallas_gpu_interpret"), so CI checks their arithmetic
+and masks, and a lowering test checks that they lower to Triton for CUDA.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import ringjax
+from harness import check_against_reference, make_inputs, reference_for, run_ring
+from ringjax import registry
+from ringjax.options import AttentionOptions
+from ringjax.pallas.gpu import GpuConfig
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPL = "pallas_gpu" if ON_GPU else "pallas_gpu_interpret"
+# smallest legal blocks, so tiny shards still have several blocks per step
+SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16)
+FUSED = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
+                  bwd_fused=True)
+
+CASES = [
+    # (devices, layout, dtype, input kwargs, attention kwargs)
+    (1, "contiguous", "float32", dict(seq=64), dict(causal=True)),
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True)),
+    (4, "zigzag", "bfloat16", dict(seq=128), dict(causal=True)),
+    (4, "contiguous", "float32", dict(seq=64), dict(causal=True, sliding_window=8, logits_soft_cap=3.0)),
+    (2, "contiguous", "float32", dict(seq=64, segments="random", sinks=True), dict(causal=True)),
+    (4, "striped", "float32", dict(seq=64, heads=4, kv_heads=1), dict()),
+    (2, "contiguous", "float32", dict(seq=64, batch=1, head_dim=32), dict(sliding_window=(5, 20))),
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True, chunk_size=24)),
+]
+
+
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", CASES)
+def test_matches_reference(n, layout, dtype, xkw, kw):
+    if n > jax.device_count():
+        pytest.skip(f"needs {n} devices, this machine has {jax.device_count()}")
+    x = make_inputs(n * 7 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation=IMPL, config=SMALL, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+# the fused backward (dQ by atomic adds) on each walk: ranges (causal, window), list (segments), dense
+FUSED_CASES = [
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True)),
+    (2, "contiguous", "float32", dict(seq=64, segments="random"), dict(causal=True, sliding_window=20)),
+    (2, "striped", "bfloat16", dict(seq=64, heads=4, kv_heads=1), dict(logits_soft_cap=3.0)),
+]
+
+
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", FUSED_CASES)
+def test_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
+    if n > jax.device_count():
+        pytest.skip(f"needs {n} devices, this machine has {jax.device_count()}")
+    x = make_inputs(n * 11 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation=IMPL, config=FUSED, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+def test_range_table():
+    """Bounds cover every visible column; a non-contiguous fully visible set is all masked."""
+    import numpy as np
+
+    from ringjax.pallas.gpu.triton_block import _range_table
+
+    cat = jnp.asarray([[[2, 0, 0, 1, 2],    # causal-like: full prefix then the diagonal
+                        [1, 0, 1, 0, 2],    # full columns 1 and 3 are not contiguous
+                        [2, 2, 2, 2, 2],    # nothing visible
+                        [1, 2, 1, 2, 2]]])  # visible but never fully
+    got = np.asarray(_range_table(cat))[0].tolist()
+    assert got == [[1, 1, 3, 4], [0, 0, 0, 4], [0, 0, 0, 0], [0, 0, 0, 3]]
+
+
+def test_default_config_matches_reference():
+    """The production block sizes (not only the tiny ones) on a multi-block shard."""
+    x = make_inputs(3, batch=1, seq=512, heads=2, kv_heads=1, head_dim=16)
+    got = run_ring(x, 2, layout="zigzag", implementation=IMPL, causal=True)
+    check_against_reference(got, reference_for(x, causal=True), "float32")
+    got = run_ring(x, 2, layout="zigzag", implementation=IMPL, causal=True,
+                   config=GpuConfig(interpret=not ON_GPU, bwd_fused=not GpuConfig().bwd_fused))
+    check_against_reference(got, reference_for(x, causal=True), "float32")
+
+
+def _problem(**kw):
+    base = dict(opts=AttentionOptions(causal=True), batch=1, seq=1024, heads=8, kv_heads=2, head_dim=128,
+                dtype="bfloat16", platform="gpu")
+    base.update(kw)
+    return registry.Problem(**base)
+
+
+@pytest.mark.parametrize("kw", [dict(dropout_rate=0.1), dict(num_sink_tokens=2), dict(alibi=True),
+                                dict(chunk_size=8, segment_ids=jnp.zeros((1, 32), jnp.int32))])
+def test_refuses_what_it_lacks(kw):
+    kw = dict(kw)
+    q = jnp.ones((1, 32, 2, 16))
+    extra = {"alibi_slopes": jnp.ones(2)} if kw.pop("alibi", False) else {}
+    if "dropout_rate" in kw:
+        extra["dropout_rng"] = jax.random.key(0)
+    with pytest.raises(ValueError, match="not implemented in the Pallas GPU kernels"):
+        ringjax.ring_attention(q, q, q, axis_name=None, implementation=IMPL, **kw, **extra)
+
+
+def test_auto_never_picks_it_on_cpu():
+    reg, _ = registry.choose("ring_attention", "auto", _problem(platform="cpu"))
+    assert reg.name == "xla"
+    with pytest.raises(ValueError, match="pallas_gpu: runs on gpu, not cpu"):
+        registry.choose("ring_attention", "pallas_gpu", _problem(platform="cpu"))
+
+
+def test_auto_picks_it_on_gpu_and_falls_back_with_reasons():
+    assert registry.choose("ring_attention", "auto", _problem())[0].name == "pallas_gpu"
+    assert registry.choose("ring_attention", "auto", _problem(head_dim=80))[0].name == "xla"
+    with pytest.raises(ValueError, match="head_dim 80 is not supported: needs a power of two"):
+        registry.choose("ring_attention", "pallas_gpu", _problem(head_dim=80))
+    zig = AttentionOptions(causal=True, layout="zigzag", axis_name="sp", axis_size=4)
+    with pytest.raises(ValueError, match="half the per-device sequence .zigzag. is 40: must be a multiple of 16"):
+        registry.choose("ring_attention", "pallas_gpu", _problem(opts=zig, seq=80))
+
+
+@pytest.mark.parametrize("bad", [dict(block_q=48), dict(block_kv=8), dict(num_warps=3), dict(num_stages=0),
+                                 dict(interpret=1), dict(bwd_fused=1)])
+def test_config_validation(bad):
+    with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+        GpuConfig(**bad)
+
+
+def test_config_json_round_trip():
+    cfg = GpuConfig(block_q=64, bwd_num_warps=8)
+    assert GpuConfig.from_json(cfg.to_json()) == cfg
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+def test_kernels_lower_to_triton_for_cuda():
+    from jax import export
+
+    from ringjax.masks import TokenInfo
+    from ringjax.pallas.gpu.triton_block import block_bwd, block_fwd
+
+    t = 256
+    opts = AttentionOptions(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True, softmax_scale=0.1)
+
+    def f(q, k, v, do, lse, delta, seg):
+        qi = TokenInfo(jnp.arange(t, dtype=jnp.int32), seg)
+        ki = TokenInfo(jnp.arange(t, dtype=jnp.int32) - t, seg)
+        return block_fwd(q, k, v, qi, ki, opts, GpuConfig()), block_bwd(q, k, v, do, lse, delta, qi, ki, opts,
+                                                                         GpuConfig())
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, t, 8, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16),
+            s((1, t, 8, 128), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+            s((1, t), jnp.int32))
+    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    try:
+        exported = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[check])(*args)
+    except RuntimeError as e:
+        if "No supported GPU devices found" in str(e):
+            pytest.skip(f"this jax cannot lower Triton kernels without a GPU ({jax.__version__})")
+        raise
+    assert exported.mlir_module().count("xla.gpu.triton") == 3
+    fused = GpuConfig(bwd_fused=True)
+    exported = export.export(jax.jit(lambda *a: block_bwd(*a[:6], TokenInfo(jnp.arange(t, dtype=jnp.int32), None),
+                                                          TokenInfo(jnp.arange(t, dtype=jnp.int32), None),
+                                                          AttentionOptions(causal=True, softmax_scale=0.1), fused)),
+                             platforms=["cuda"], disabled_checks=[check])(*args[:6])
+    assert exported.mlir_module().count("xla.gpu.triton") == 1
