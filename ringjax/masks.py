@@ -49,38 +49,57 @@ def block_range(info: TokenInfo) -> BlockRange:
     return BlockRange(info.pos.min(), info.pos.max(), seg_lo, seg_hi, segpos_lo)
 
 
+def _and(*masks):
+    """Conjunction of the masks that apply (None: no rule); None if none applies."""
+    masks = [m for m in masks if m is not None]
+    if not masks:
+        return None
+    out = masks[0]
+    for m in masks[1:]:
+        out = out & m
+    return out
+
+
 def _base(opts: AttentionOptions, qp, kp):
-    vis = jnp.ones(jnp.broadcast_shapes(qp.shape, kp.shape), bool)
-    if opts.causal:
-        vis &= kp <= qp
+    """Causal and window rules on positions, or None if neither applies."""
+    window = None
     if opts.window is not None:
         left, right = opts.window
-        vis &= (kp >= qp - left) & (kp <= qp + right)
-    return vis
+        window = (kp >= qp - left) & (kp <= qp + right)
+    return _and(kp <= qp if opts.causal else None, window)
 
 
 def visible(opts: AttentionOptions, q: TokenInfo, k: TokenInfo) -> jnp.ndarray:
     """Exact mask, bool [B or 1, Tq, Tk]."""
-    qp = q.pos[:, None]
-    kp = k.pos[None, :]
-    same = jnp.ones((1, 1, 1), bool)
+    expand = lambda x, axis: None if x is None else jnp.expand_dims(x, axis)  # noqa: E731
+    vis = visible_pairs(opts, q.pos[:, None], k.pos[None, :], expand(q.seg, 2), expand(k.seg, 1),
+                        expand(q.segpos, 2), expand(k.segpos, 1))
+    return vis if vis.ndim == 3 else vis[None]
+
+
+def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, q_segpos=None, k_segpos=None):
+    """`visible` on operands that already broadcast against each other; bool of their broadcast shape.
+
+    `visible` passes [Tq, 1] / [1, Tk] positions and [B, Tq, 1] / [B, 1, Tk] segment ids
+    and offsets; kernels working on 2-D tiles pass columns [bq, 1] and rows [1, bk].
+    """
+    same = None
     if opts.has_segments:
         # negative ids mark padding: it sees nothing and nothing sees it
-        same = (q.seg[:, :, None] == k.seg[:, None, :]) & (q.seg >= 0)[:, :, None]
-    base = _base(opts, qp, kp)[None] & same
+        same = (q_seg == k_seg) & (q_seg >= 0)
+    chunk = None
     if opts.chunk_size is not None:
         c = opts.chunk_size
         # chunks start at each packed document's first token (global position 0 without segments)
-        if opts.has_segments:
-            base &= (q.segpos // c)[:, :, None] == (k.segpos // c)[:, None, :]
-        else:
-            base &= (qp // c == kp // c)[None]
+        chunk = q_segpos // c == k_segpos // c if opts.has_segments else q_pos // c == k_pos // c
+    # no all-true constant unless nothing applies: kernels on tiles build masks from rules only
+    base = _and(_base(opts, q_pos, k_pos), same, chunk)
+    if base is None:
+        base = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
     if not opts.num_sink_tokens or opts.sink_mode == "exclude":
         return base
     # sink tokens: the first s tokens of the query's own segment, never in its future
-    sink = (k.segpos < opts.num_sink_tokens)[:, None, :] & same
-    if opts.causal:
-        sink &= (kp <= qp)[None]
+    sink = _and(k_segpos < opts.num_sink_tokens, same, k_pos <= q_pos if opts.causal else None)
     return base | sink if opts.sink_mode == "inline" else sink & ~base
 
 

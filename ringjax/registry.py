@@ -84,6 +84,7 @@ class Registration:
     platforms: tuple[str, ...]
     priority: int
     target: str  # "module:attribute" of the Implementation, imported lazily
+    auto: bool = True  # False: only runs when named explicitly (e.g. CPU simulations of kernels)
 
     def load(self) -> Implementation:
         module, _, attr = self.target.partition(":")
@@ -93,9 +94,12 @@ class Registration:
 _REGISTRY: dict[tuple[str, str], Registration] = {}
 
 
-def register(op: str, name: str, *, platforms, priority: int, target: str) -> Registration:
-    """Register (or replace) an implementation of `op`; `target` is imported on first use."""
-    reg = Registration(op, name, tuple(platforms), int(priority), target)
+def register(op: str, name: str, *, platforms, priority: int, target: str, auto: bool = True) -> Registration:
+    """Register (or replace) an implementation of `op`; `target` is imported on first use.
+
+    `auto=False` keeps it out of "auto" selection: it runs only when named.
+    """
+    reg = Registration(op, name, tuple(platforms), int(priority), target, bool(auto))
     _REGISTRY[(op, name)] = reg
     return reg
 
@@ -133,7 +137,9 @@ def refusal(reg: Registration, problem: Problem) -> str | None:
 def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration, Implementation]:
     """Resolve "auto" or a name to a runnable implementation, or explain every refusal."""
     regs = registrations(op)
-    if implementation != "auto":
+    if implementation == "auto":
+        regs = [r for r in regs if r.auto]
+    else:
         regs = [r for r in regs if r.name == implementation]
         if not regs:
             known = ", ".join(r.name for r in registrations(op))
@@ -229,4 +235,14 @@ register(
     platforms=("cpu", "gpu"),
     priority=-10,
     target="ringjax.pallas.gpu:INTERPRET_IMPLEMENTATION",
+)
+register("ring_attention", "pallas_tpu", platforms=("tpu",), priority=20, target="ringjax.pallas.tpu:IMPLEMENTATION")
+# the same TPU kernels run by the Pallas TPU interpreter on CPU: for tests, never chosen by "auto"
+register(
+    "ring_attention",
+    "pallas_tpu_interpret",
+    platforms=("cpu",),
+    priority=-20,
+    target="ringjax.pallas.tpu:INTERPRET_IMPLEMENTATION",
+    auto=False,
 )

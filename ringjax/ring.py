@@ -36,12 +36,19 @@ class BlockKernel:
     `skips_empty_steps`: the kernel itself does no work on a step the mask empties,
     so the ring runs it unconditionally instead of under `lax.cond` (on GPUs a
     conditional reads its predicate on the host, stalling the stream every step).
+    `ring_fwd`, `ring_bwd`: optional replacements of the whole forward / backward ring
+    (e.g. one fused kernel that moves K/V itself):
+      ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
+      ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
+        -> (dq, dk, dv, d alibi_slopes or None), float32.
     """
 
     name: str
     fwd: Callable[..., Any]
     bwd: Callable[..., Any]
     skips_empty_steps: bool = False
+    ring_fwd: Callable[..., Any] | None = None
+    ring_bwd: Callable[..., Any] | None = None
 
 
 def _shift(tree, opts: AttentionOptions, d: int):
@@ -162,7 +169,10 @@ def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, ex
 
 
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
-    out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+    if kernel.ring_fwd is not None:
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config)
+    else:
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
     if sinks is not None:
         out, lse = _add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)
@@ -178,14 +188,30 @@ def _bwd_rule(opts, kernel, config, res, cts):
     q, k, v, q_seg, kv_seg, sinks, extras, out, lse = res
     dout, dlse = cts
     dout = dout.astype(q.dtype)
+    # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
+    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
+    delta = delta - dlse.astype(jnp.float32)
+    alibi = extras.alibi_slopes is not None
+    ring_bwd = kernel.ring_bwd if kernel.ring_bwd is not None else functools.partial(_ring_backward, kernel)
+    dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
+
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+    dextras = Extras(
+        alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype),
+        dropout_seed=None,
+    )
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
+
+
+def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     t = q.shape[1]
     n = opts.axis_size
     shard = _shard_index(opts)
     plan = ring_plan(opts, t)
     ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
-    # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
-    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
-    delta = delta - dlse.astype(jnp.float32)
     q_info = _infos(opts, shard, q, q_seg)
     alibi = extras.alibi_slopes is not None
 
@@ -227,15 +253,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
         dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name), precision=hi)
         dv = dv + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dv_s, opts.axis_name), precision=hi)
 
-    dsinks = None
-    if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
-    dextras = Extras(
-        alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype),
-        dropout_seed=None,
-    )
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
+    return dq, dk, dv, dslopes
 
 
 ring_attention_shard.defvjp(_fwd_rule, _bwd_rule)

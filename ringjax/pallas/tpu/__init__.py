@@ -1,0 +1,91 @@
+"""Pallas TPU backend: flash-attention block kernels in the ppermute ring, or fused ring kernels.
+
+Registered as "pallas_tpu" (TPU) and "pallas_tpu_interpret" (the same kernels in the
+Pallas TPU interpreter on CPU; only when named explicitly, for tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringjax.pallas.tpu.block import block_bwd, block_fwd
+from ringjax.pallas.tpu.config import TpuConfig, pick_block, refusal, sublanes
+from ringjax.registry import Problem
+from ringjax.ring import BlockKernel, ring_attention_shard
+
+
+def _fwd(q, k, v, q_info, k_info, extras, opts, config):
+    del extras  # supports() refuses ALiBi and dropout, the only users of extras
+    return block_fwd(q, k, v, q_info, k_info, opts, config)
+
+
+def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+    del extras
+    return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+
+
+KERNEL = BlockKernel(name="pallas_tpu", fwd=_fwd, bwd=_bwd)
+# The interpreter holds every device at a barrier in each kernel, so no kernel may sit
+# inside lax.cond: the ring runs every step and the kernel skips empty tiles itself.
+INTERPRETED_KERNEL = BlockKernel(name="pallas_tpu_interpret", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
+
+
+def _fused_forward(q, k, v, q_seg, kv_seg, extras, opts, config):
+    from ringjax.pallas.tpu.ring import fused_forward
+
+    return fused_forward(q, k, v, q_seg, kv_seg, opts, config)
+
+
+def _fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
+    from ringjax.pallas.tpu.ring import fused_backward
+
+    return (*fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, opts, config), None)
+
+
+# forward and backward rings each one kernel that moves K/V (and dK/dV) by remote DMA
+FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_tpu_fused", ring_fwd=_fused_forward, ring_bwd=_fused_backward)
+INTERPRETED_FUSED_KERNEL = dataclasses.replace(FUSED_KERNEL, name="pallas_tpu_fused_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuImplementation:
+    name: str = "pallas_tpu"
+    config_type: type = TpuConfig
+    interpret: bool = False  # the CPU-interpreter registration
+
+    def supports(self, problem: Problem) -> str | None:
+        return refusal(opts=problem.opts, seq=problem.seq, head_dim=problem.head_dim, dtype=problem.dtype)
+
+    def default_config(self, problem: Problem) -> TpuConfig:
+        # about 1024 query rows (all heads of one KV head) per tile keeps the score tile in VMEM
+        block_q = max(sublanes(problem.dtype), 1024 // problem.gqa_ratio)
+        return TpuConfig(block_q=block_q, block_kv=512, interpret=self.interpret)
+
+    def candidate_configs(self, problem: Problem) -> list[TpuConfig]:
+        align = sublanes(problem.dtype)
+        opts = problem.opts
+        sizes = lambda wants: sorted({pick_block(problem.seq, w, opts, align) for w in wants})  # noqa: E731
+        return [
+            TpuConfig(block_q=bq, block_kv=bk, fused=fused, interpret=self.interpret)
+            for bq in sizes((128, 256, 512, 1024))
+            for bk in sizes((256, 512, 1024, 2048))
+            for fused in (False, True)
+            if bq * problem.gqa_ratio <= 4096
+        ]
+
+    def run(self, problem: Problem, config: TpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
+        if self.interpret and not config.interpret:
+            raise ValueError(
+                f"{self.name} runs the TPU kernels in the Pallas interpreter: pass TpuConfig(interpret=True)"
+            )
+        if config.fused:
+            kernel = INTERPRETED_FUSED_KERNEL if config.interpret else FUSED_KERNEL
+        else:
+            kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
+        return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+IMPLEMENTATION = TpuImplementation()
+INTERPRET_IMPLEMENTATION = TpuImplementation(name="pallas_tpu_interpret", interpret=True)
+
+__all__ = ["IMPLEMENTATION", "INTERPRET_IMPLEMENTATION", "KERNEL", "TpuConfig", "block_bwd", "block_fwd"]

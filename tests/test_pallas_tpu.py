@@ -1,0 +1,270 @@
+"""The Pallas TPU kernels, run by the Pallas TPU interpreter on CPU, against the float64 reference.
+
+The interpreter is slow (every grid step of every kernel is simulated), so this is a
+representative matrix, not the full product: each case combines several features,
+and together they cover 1, 2, 4 and 8 devices, the three layouts, causal, windows,
+segments with padding, soft cap, sinks, GQA/MQA, float32 and bfloat16, and tiles
+that split each shard into several blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ringjax
+from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
+from ringjax import registry
+from ringjax.masks import Extras
+from ringjax.options import AttentionOptions
+
+pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
+
+from ringjax.pallas.tpu import IMPLEMENTATION, INTERPRET_IMPLEMENTATION, TpuConfig  # noqa: E402
+from ringjax.pallas.tpu.block import races_found, reset_interpreter  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter():
+    # the interpreter keeps global state (simulated memory, race log) between kernels
+    reset_interpreter()
+    yield
+    reset_interpreter()
+
+
+def _config(**kw):
+    kw.setdefault("block_q", 8)
+    kw.setdefault("block_kv", 8)
+    return TpuConfig(interpret=True, **kw)
+
+
+# (devices, layout, make_inputs kwargs, ring_attention kwargs)
+CASES = {
+    "1dev_gqa_multiblock": (1, "contiguous", dict(seq=32, heads=4, kv_heads=2), dict()),
+    "2dev_zigzag_causal_segments": (2, "zigzag", dict(seq=64, segments="random"), dict(causal=True)),
+    "4dev_striped_mqa_softcap_sinks": (
+        4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
+    ),
+    "4dev_contiguous_window_skips_steps": (
+        4, "contiguous", dict(seq=64, batch=1), dict(causal=True, sliding_window=10)
+    ),
+    "8dev_zigzag_causal": (8, "zigzag", dict(seq=128, batch=1, heads=2, kv_heads=1), dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference(case):
+    n, layout, shape_kw, kw = CASES[case]
+    x = make_inputs(sorted(CASES).index(case) + 50, **shape_kw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_tpu_interpret", config=_config(), **kw)
+    assert got["out_dtype"] == x["dtype"]
+    check_against_reference(got, reference_for(x, **kw), x["dtype"])
+    if "segment_ids" in x:  # padding rows see no key: zero output, -inf lse, zero dq
+        padded = np.asarray(x["segment_ids"]) < 0
+        assert np.all(got["out"][padded] == 0.0) and np.all(got["dq"][padded] == 0.0)
+    assert not races_found()
+
+
+# ---------------------------------------------------------------- the fused rings (remote DMA)
+
+FUSED_CASES = {
+    "2dev_zigzag_gqa_softcap_sinks": (
+        2, "zigzag", dict(seq=32, heads=4, kv_heads=2, sinks=True), dict(causal=True, logits_soft_cap=2.0)
+    ),
+    # a two-sided window on 4 shards of 16: the ring starts one shard ahead and runs 3 of 4 steps
+    "4dev_window_ahead_segments": (4, "contiguous", dict(seq=64, segments="random"), dict(sliding_window=(10, 5))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FUSED_CASES))
+def test_fused_ring_matches_reference_without_races(case, capfd):
+    n, layout, shape_kw, kw = FUSED_CASES[case]
+    x = make_inputs(sorted(FUSED_CASES).index(case) + 70, **shape_kw)
+    config = _config(fused=True, detect_races=True)
+    got = run_ring(x, n, layout=layout, implementation="pallas_tpu_interpret", config=config, **kw)
+    check_against_reference(got, reference_for(x, **kw), x["dtype"])
+    # the detector prints every race it finds; its flag covers the last kernel, the fused backward
+    assert "RACE DETECTED" not in capfd.readouterr().out
+    assert not races_found()
+
+
+def _fused_run(n, x, backward):
+    """Forward (or its gradient) of the fused rings on n devices, with the race detector on."""
+    mesh = mesh_of(n)
+    spec = P(None, "sp")
+
+    def attn(q, k, v):
+        return ringjax.ring_attention(q, k, v, axis_name="sp", implementation="pallas_tpu_interpret",
+                                      config=_config(fused=True, detect_races=True))
+
+    f = jax.shard_map(attn, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    if backward:
+        f = jax.grad(lambda q, k, v, f=f: f(q, k, v).sum(), argnums=(0, 1, 2))
+    args = [jax.device_put(jnp.asarray(x[name]), NamedSharding(mesh, spec)) for name in ("q", "k", "v")]
+    with jax.set_mesh(mesh):
+        return jax.block_until_ready(jax.jit(f)(*args))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_race_detector_catches_a_ring_without_handshake(backward, monkeypatch, capfd):
+    """Drop the 'slot is free' handshakes: a neighbour's DMA then overwrites K/V (or dK/dV) in use."""
+    from ringjax.pallas.tpu import ring
+
+    monkeypatch.setattr(ring, "_wait_for_capacity", lambda capacity: None)
+    monkeypatch.setattr(ring, "_grant_capacity", lambda capacity, opts, left: None)
+    x = make_inputs(9, seq=24, batch=1, heads=2, kv_heads=1)
+    _fused_run(3, x, backward)
+    assert races_found()  # the flag covers the last kernel: the fused backward when backward=True
+    assert "RACE DETECTED" in capfd.readouterr().out
+
+
+def test_bfloat16_head_dim_64():
+    x = make_inputs(7, seq=64, batch=1, heads=4, kv_heads=1, head_dim=64, dtype="bfloat16", sinks=True)
+    kw = dict(causal=True, softmax_scale=0.3)
+    # bfloat16 tiles are 16 rows: block sizes 8 are raised to the 16-row minimum
+    got = run_ring(x, 2, layout="zigzag", implementation="pallas_tpu_interpret", config=_config(), **kw)
+    assert got["out_dtype"] == "bfloat16"
+    check_against_reference(got, reference_for(x, **kw), "bfloat16")
+
+
+def test_reference_check_can_fail():
+    """The comparison detects a wrong result: the non-causal run fails against the causal reference."""
+    n, layout, shape_kw, kw = CASES["1dev_gqa_multiblock"]  # same shapes: reuses that compiled ring
+    assert not kw.get("causal")
+    x = make_inputs(3, **shape_kw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_tpu_interpret", config=_config(), **kw)
+    with pytest.raises(AssertionError):
+        check_against_reference(got, reference_for(x, causal=True), "float32")
+
+
+# ---------------------------------------------------------------- selection and refusals
+
+
+def _problem(platform="cpu", *, opts=None, seq=64, head_dim=64, dtype="float32"):
+    return registry.Problem(opts=opts or AttentionOptions(), batch=1, seq=seq, heads=4, kv_heads=2,
+                            head_dim=head_dim, dtype=dtype, platform=platform)
+
+
+def test_auto_never_picks_the_interpreter_on_cpu():
+    reg, _ = registry.choose("ring_attention", "auto", _problem("cpu"))
+    assert reg.name == "xla"
+    reg, _ = registry.choose("ring_attention", "pallas_tpu_interpret", _problem("cpu"))
+    assert reg.name == "pallas_tpu_interpret"
+    listed = {i["name"]: i for i in registry.list_implementations()}
+    assert listed["pallas_tpu"]["platforms"] == ("tpu",)
+
+
+def test_auto_picks_pallas_tpu_on_tpu():
+    reg, _ = registry.choose("ring_attention", "auto", _problem("tpu"))
+    assert reg.name == "pallas_tpu"
+    # a problem the kernels refuse falls back to the XLA ring
+    reg, _ = registry.choose("ring_attention", "auto", _problem("tpu", head_dim=80))
+    assert reg.name == "xla"
+
+
+def test_naming_pallas_tpu_on_cpu_says_why():
+    with pytest.raises(ValueError, match="pallas_tpu: runs on tpu, not cpu"):
+        registry.choose("ring_attention", "pallas_tpu", _problem("cpu"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FutureOptions(AttentionOptions):
+    future_rule: int | None = None  # a feature added after these kernels
+
+
+@pytest.mark.parametrize(
+    "problem, reason",
+    [
+        (_problem("tpu", dtype="float16"), "dtype float16 not supported"),
+        (_problem("tpu", head_dim=80), "head_dim 80 not supported"),
+        (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
+        (_problem("tpu", opts=AttentionOptions(chunk_size=4)), "chunk_size not implemented"),
+        (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "has_alibi not implemented"),
+        (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "dropout_rate not implemented"),
+        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "num_sink_tokens not implemented"),
+        (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule not implemented"),
+    ],
+)
+def test_refusals_name_the_reason(problem, reason):
+    assert reason in IMPLEMENTATION.supports(problem)
+    assert reason in INTERPRET_IMPLEMENTATION.supports(dataclasses.replace(problem, platform="cpu"))
+
+
+def test_unknown_option_at_its_default_is_accepted():
+    assert IMPLEMENTATION.supports(_problem("tpu", opts=_FutureOptions())) is None
+
+
+def test_config_validation_and_json_round_trip():
+    with pytest.raises(ValueError, match="block_q"):
+        TpuConfig(block_q=0)
+    with pytest.raises(ValueError, match="detect_races needs interpret"):
+        TpuConfig(detect_races=True)
+    with pytest.raises(TypeError, match="fused"):
+        TpuConfig(fused=1)
+    cfg = TpuConfig(block_q=128, block_kv=256, fused=True)
+    assert registry.config_from_json(TpuConfig, registry.config_to_json(cfg)) == cfg
+    for problem in (_problem("tpu"), _problem("tpu", dtype="bfloat16")):
+        assert IMPLEMENTATION.candidate_configs(problem)
+        assert not IMPLEMENTATION.default_config(problem).interpret
+        assert INTERPRET_IMPLEMENTATION.default_config(problem).interpret
+
+
+def test_interpreter_registration_needs_interpret_config():
+    x = make_inputs(1, seq=16, batch=1, heads=2, kv_heads=1)
+    with pytest.raises(ValueError, match="interpret=True"):
+        run_ring(x, 1, implementation="pallas_tpu_interpret", config=TpuConfig(block_q=8, block_kv=8))
+
+
+# ---------------------------------------------------------------- lowering for TPU
+
+
+def _export_ring_for_tpu(n, dtype, config, **opts):
+    """jax.export of the ring's forward and backward on `n` devices, lowered for TPU (Mosaic)."""
+    b, t, h, kvh, d = 2, 256, 8, 2, 128
+    options = AttentionOptions(axis_name="sp", axis_size=n, **opts)
+    problem = registry.Problem(opts=options, batch=b, seq=t, heads=h, kv_heads=kvh, head_dim=d,
+                               dtype=jnp.dtype(dtype).name, platform="tpu")
+    assert IMPLEMENTATION.supports(problem) is None
+    mesh = mesh_of(n)
+    spec = P(None, "sp")
+    has_seg = options.has_segments
+
+    def per_device(q, k, v, seg, w):
+        def loss(q, k, v):
+            out, lse = IMPLEMENTATION.run(problem, config, q, k, v, seg, seg, None, Extras())
+            return (out.astype(jnp.float32) * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, spec if has_seg else None, spec),
+                       out_specs=(spec, spec, spec))
+    sharded = NamedSharding(mesh, spec)
+    arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharded)  # noqa: E731
+    args = (arg((b, t * n, h, d), dtype), arg((b, t * n, kvh, d), dtype), arg((b, t * n, kvh, d), dtype),
+            arg((b, t * n), jnp.int32) if has_seg else None, arg((b, t * n, h, d), jnp.float32))
+    with jax.set_mesh(mesh):
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    "n, dtype, opts",
+    [
+        (4, jnp.bfloat16, dict(causal=True, layout="zigzag", has_segments=True, logits_soft_cap=30.0)),
+        (2, jnp.float32, dict(window=(100, 10))),
+    ],
+)
+def test_kernels_lower_for_tpu(n, dtype, opts, fused):
+    text = _export_ring_for_tpu(n, dtype, TpuConfig(block_q=128, block_kv=128, fused=fused), **opts)
+    # both cases run the full ring: per step one forward kernel and two backward kernels (dK/dV, dQ),
+    # or one fused kernel per direction for the whole ring
+    assert text.count("tpu_custom_call") == (2 if fused else 3 * n)
+    assert ("ringjax_tpu_fused_ring_fwd" in text) == fused
+    assert ("ringjax_tpu_fused_ring_bwd" in text) == fused

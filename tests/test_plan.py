@@ -1,0 +1,103 @@
+"""The ring attention cost model: its arithmetic on hand-computed cases, recommendations, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from ringjax import plan as planmod
+from ringjax.plan import CHIPS, Chip, plan
+
+
+def test_tpu_v5p_zigzag_causal_by_hand():
+    p = plan("tpu_v5p", ring_size=8, seq_len=131072, heads=32, kv_heads=8, head_dim=128, efficiency=1.0)
+    t = 16384
+    # half of a full step (4 * H * t^2 * D FLOPs) on every device, at 459 TFLOP/s
+    assert p.local_seq == t and p.layout == "zigzag" and p.recommended_layout == "zigzag"
+    assert p.fwd_compute_s == pytest.approx(4 * 32 * t * t * 128 * 0.5 / 459e12)  # 4.791 ms
+    assert p.fwd_compute_s == pytest.approx(4.791e-3, rel=1e-3)
+    # K and V: 2 * t * 8 heads * 128 * 2 bytes = 64 MiB over one 100 GB/s link
+    assert p.fwd_transfer_s == pytest.approx(2 * t * 8 * 128 * 2 / 100e9)  # 0.671 ms
+    assert p.fwd_hidden and p.bwd_hidden
+    # backward: 2.5x the FLOPs; K, V (bf16) plus dK, dV (f32) travel
+    assert p.bwd_compute_s == pytest.approx(2.5 * p.fwd_compute_s)
+    assert p.bwd_transfer_s == pytest.approx(3 * p.fwd_transfer_s)
+    # all 8 steps are compute-bound half steps
+    assert p.fwd_total_s == pytest.approx(8 * p.fwd_compute_s)
+    # hides from t = KVH * 2 bytes * rate / (2 * H * 0.5 * link) = 8 * 2 * 459e12 / (32 * 100e9) = 2295
+    assert p.min_local_seq_to_hide == math.ceil(8 * 2 * 459e12 / (32 * 100e9)) == 2295
+
+
+def test_contiguous_causal_costs_a_full_step_per_step():
+    p = plan("h200", ring_size=4, seq_len=32768, heads=32, kv_heads=8, head_dim=128, layout="contiguous")
+    full = 4 * 32 * 8192**2 * 128 / (989e12 * 0.6)  # 1.853 ms at the default 60% of peak
+    assert p.fwd_compute_s == pytest.approx(full)
+    # the diagonal step is half, the three others are full for the slowest device
+    assert p.fwd_total_s == pytest.approx(0.5 * full + 3 * full)
+    zigzag = plan("h200", ring_size=4, seq_len=32768, heads=32, kv_heads=8, head_dim=128)
+    assert zigzag.fwd_total_s == pytest.approx(4 * 0.5 * full)
+    assert p.recommended_layout == "zigzag" and any("zigzag" in n for n in p.notes)
+
+
+def test_transfer_that_does_not_hide():
+    p = plan("tpu_v5e", ring_size=16, seq_len=32768, heads=8, kv_heads=8, head_dim=128, causal=False)
+    compute = 4 * 8 * 2048**2 * 128 / (197e12 * 0.6)  # 0.145 ms
+    transfer = 2 * 2048 * 8 * 128 * 2 / 50e9  # 0.168 ms
+    assert p.fwd_compute_s == pytest.approx(compute) and p.fwd_transfer_s == pytest.approx(transfer)
+    assert not p.fwd_hidden
+    # 15 steps wait for their transfer, the last one does not transfer
+    assert p.fwd_total_s == pytest.approx(15 * transfer + compute)
+    assert p.layout == "contiguous" and p.min_local_seq_to_hide > 2048
+    assert any("outlasts compute" in n for n in p.notes)
+    assert "NOT hidden" in str(p)
+
+
+def test_memory_bound_step():
+    slow = Chip("slow HBM", "gpu", peak_flops=1e15, hbm_bandwidth=1e9, link_bandwidth=1e12)
+    p = plan(slow, ring_size=2, seq_len=2048, heads=1, kv_heads=1, head_dim=128, causal=False)
+    assert p.block_q == 128
+    kv = 2 * 1024 * 128 * 2  # K and V of the shard
+    q = 1024 * 128 * 2
+    # K/V re-read once per query tile (1024 / 128 = 8), Q read and O written once
+    assert p.fwd_compute_s == pytest.approx((8 * kv + 2 * q) / 1e9)
+
+
+def test_tpu_blocks_fit_vmem_and_divide_the_shard():
+    for name in ("tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e"):
+        for heads, kv_heads in ((32, 8), (8, 8), (64, 1)):
+            p = plan(name, ring_size=8, seq_len=8 * 8192, heads=heads, kv_heads=kv_heads, head_dim=128)
+            unit = p.local_seq // 2  # zigzag chunk
+            assert unit % p.block_q == 0 and unit % p.block_kv == 0
+            rows = heads // kv_heads * p.block_q
+            assert planmod._vmem_bytes(rows, p.block_kv, 128, 2) <= CHIPS[name].vmem_budget
+
+
+def test_every_chip_has_positive_figures_and_prints():
+    for name, chip in CHIPS.items():
+        assert chip.peak_flops > 1e14 and chip.hbm_bandwidth > 1e11 and chip.link_bandwidth > 1e10, name
+        text = str(plan(name, ring_size=4, seq_len=4 * 4096, heads=16, kv_heads=4, head_dim=128))
+        assert chip.name in text and "recommend: layout zigzag" in text
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan("h100", ring_size=2, seq_len=1024, heads=2, kv_heads=1, head_dim=64).ring_size = 3
+
+
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        (dict(chip="tpu_v9"), "chip must be one of"),
+        (dict(heads=6, kv_heads=4), "multiple of kv_heads"),
+        (dict(dtype="float16"), "no float16"),
+        (dict(dtype="float32"), "dtype must be one of"),
+        (dict(seq_len=1004), "divisible by 8"),
+        (dict(layout="diagonal"), "layout must be one of"),
+        (dict(efficiency=1.5), "efficiency"),
+        (dict(ring_size=0), "ring_size"),
+    ],
+)
+def test_bad_arguments_raise(kw, error):
+    args = dict(chip="tpu_v5p", ring_size=4, seq_len=4096, heads=8, kv_heads=2, head_dim=128)
+    args.update(kw)
+    with pytest.raises(ValueError, match=error):
+        plan(args.pop("chip"), **args)
