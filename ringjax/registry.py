@@ -235,6 +235,7 @@ register(
     platforms=("cpu", "gpu"),
     priority=-10,
     target="ringjax.pallas.gpu:INTERPRET_IMPLEMENTATION",
+    auto=False,
 )
 register("ring_attention", "pallas_tpu", platforms=("tpu",), priority=20, target="ringjax.pallas.tpu:IMPLEMENTATION")
 # the same TPU kernels run by the Pallas TPU interpreter on CPU: for tests, never chosen by "auto"
