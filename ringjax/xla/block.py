@@ -142,12 +142,17 @@ class _Tile:
         return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
-    b, t, h, d = q.shape
+def _tiling(q, k, opts: AttentionOptions, config: XlaConfig):
+    """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks)."""
+    b, t, h, _ = q.shape
     s_len, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
     bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
-    nq, nk = t // bq, s_len // bk
+    return b, h, kvh, h // kvh, bq, bk, t // bq, s_len // bk
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
+    t = q.shape[1]
     prec = _precision(q.dtype)
     qb = _split_q(q, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
@@ -198,11 +203,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
               opts: AttentionOptions, config: XlaConfig):
     """(dq, dk, dv, d alibi_slopes or None), float32."""
-    b, t, h, d = q.shape
-    s_len, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
-    bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
-    nq, nk = t // bq, s_len // bk
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
     prec = _precision(q.dtype)
     qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
     lseb, deltab = _split_rows(lse, nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
