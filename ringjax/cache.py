@@ -43,12 +43,12 @@ def versions() -> dict[str, Any]:
     import jax
     import jaxlib
 
-    import ringjax
+    from ringjax import _version
 
     return {
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
-        "ringjax": ringjax.__version__,
+        "ringjax": _version.__version__,
         "schema": SCHEMA_VERSION,
     }
 

@@ -101,8 +101,7 @@ def _barrier(opts: AttentionOptions, left, right):
 
     def round_trip(sem):
         for neighbour in (left, right):
-            pl.semaphore_signal(sem, 1, device_id={opts.axis_name: neighbour},
-                                device_id_type=pl.DeviceIdType.MESH)
+            pl.semaphore_signal(sem, 1, device_id={opts.axis_name: neighbour})
         pl.semaphore_wait(sem, 2)
 
     round_trip(pltpu.get_barrier_semaphore())
@@ -118,7 +117,7 @@ def _wait_for_capacity(capacity):
 def _grant_capacity(capacity, opts: AttentionOptions, left):
     """Tell the left neighbour it may overwrite the slot we just finished with."""
     pl, _ = block._pallas()
-    pl.semaphore_signal(capacity, 1, device_id={opts.axis_name: left}, device_id_type=pl.DeviceIdType.MESH)
+    pl.semaphore_signal(capacity, 1, device_id={opts.axis_name: left})
 
 
 class _Ring:
@@ -142,7 +141,7 @@ class _Ring:
         pl, pltpu = block._pallas()
         return pltpu.make_async_remote_copy(
             buf.at[from_slot], buf.at[to_slot], send_sems.at[from_slot], recv_sems.at[to_slot],
-            device_id={self.opts.axis_name: self.right}, device_id_type=pl.DeviceIdType.MESH,
+            device_id={self.opts.axis_name: self.right},
         )
 
     def begin(self, kv0_ref, kv_buf, local_sem, kv_send, kv_recv, kv_capacity):
