@@ -28,7 +28,7 @@ from ringjax import _compat, calling
 from ringjax.api import ring_attention
 from ringjax.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
-from ringjax.merge import merge_attention_many
+from ringjax.merge import add_sinks, merge_attention_many
 from ringjax.options import check_inputs, make_options
 
 
@@ -107,14 +107,6 @@ def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
     return (window[0] // r, window[1] // r)
 
 
-def _add_sinks(out, lse, sinks):
-    """exp(sinks[h]) joins each row's denominator once, after the branches merge."""
-    sink = sinks.astype(jnp.float32)[None, :, None]
-    new_lse = jnp.logaddexp(lse, sink)
-    scale = jnp.exp(lse - new_lse)  # 0 where no key was seen
-    return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
-
-
 def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layout, global_len, ring_kw):
     """Per-device dilated attention: (out [B,T,H,D], lse f32 [B,H,T])."""
     b, t, h, d = q.shape
@@ -164,7 +156,7 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
         lses.append(lse_b)
     out, lse = merge_attention_many(outs, lses)
     if sinks is not None:
-        out, lse = _add_sinks(out, lse, sinks)
+        out, lse = add_sinks(out, lse, sinks)  # once, after the branches merge
     return out, lse
 
 

@@ -7,15 +7,50 @@ Rows that see no key carry lse = -inf and out = 0; merging keeps them exactly so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+_LOG2E = 1.0 / math.log(2.0)
 
-def _safe(x):
-    # -inf - -inf is NaN; rows with no key at all keep weight 0 instead
-    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+def finite_or_zero(lse):
+    """lse with -inf (rows that see no key) replaced by 0, so that lse - lse is 0 rather than NaN.
+
+    Such rows have every score masked: whatever they are shifted by, their probabilities stay 0.
+    """
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+
+def log_sum(m, l, *, base2: bool = False):
+    """lse = m + log l of a sum l of exp(x - m) (exp2 with `base2`); -inf where l = 0 (no key)."""
+    seen = l > 0.0
+    safe = jnp.where(seen, l, 1.0)
+    lse = (m + jnp.log2(safe)) / _LOG2E if base2 else m + jnp.log(safe)
+    return jnp.where(seen, lse, -jnp.inf)
+
+
+def finish(acc, m, l, *, base2: bool = False):
+    """Normalised output acc / l and natural-log lse of an online softmax (running max m, sum l).
+
+    `l` has acc's shape without head_dim, or with it as 1. Rows with l = 0 saw no key: out 0, lse -inf.
+    """
+    safe = jnp.where(l > 0.0, l, 1.0)
+    out = acc / (safe if safe.ndim == acc.ndim else safe[..., None])
+    return out, log_sum(m, l, base2=base2)
+
+
+def add_sinks(out, lse, sinks):
+    """Let exp(sinks[h]) join every row's denominator: a key of value 0 seen by every query.
+
+    out [B, T, H, D], lse [B, H, T] float32, sinks [H]; rows that saw no key stay 0.
+    """
+    sink = sinks.astype(jnp.float32)[None, :, None]
+    new_lse = jnp.logaddexp(lse, sink)
+    scale = jnp.exp(lse - new_lse)  # 0 for rows that saw no key
+    return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
 
 
 def merge_attention(
@@ -45,10 +80,9 @@ def merge_attention_many(
     m = lses32[0]
     for l in lses32[1:]:
         m = jnp.maximum(m, l)
-    m_safe = _safe(m)
-    total = sum(jnp.exp(l - m_safe) for l in lses32)
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    lse_safe = _safe(lse)
+    m_safe = finite_or_zero(m)
+    lse = log_sum(m_safe, sum(jnp.exp(l - m_safe) for l in lses32))
+    lse_safe = finite_or_zero(lse)
     out = 0.0
     for o, l in zip(outs, lses32):
         w = jnp.exp(l - lse_safe)  # [B, H, T]; 0 where l = -inf

@@ -37,9 +37,6 @@ class AttentionOptions:
     has_alibi: bool = False
     dropout_rate: float = 0.0
     num_sink_tokens: int = 0
-    # which part of the sink-token rule a ring step applies: "inline" (base | sinks),
-    # "exclude" (base only) or "only" (sinks the base rule hides); set by the ring
-    sink_mode: str = "inline"
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -66,8 +63,6 @@ class AttentionOptions:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
-        if self.sink_mode not in ("inline", "exclude", "only"):
-            raise ValueError(f"sink_mode must be inline, exclude or only, got {self.sink_mode!r}")
 
     @property
     def shards_per_device(self) -> int:

@@ -18,10 +18,11 @@ from jax import lax
 
 from ringjax import _compat
 from ringjax.layouts import local_positions
-from ringjax.masks import Extras, TokenInfo, block_range, maybe_visible
-from ringjax.merge import merge_attention
+from ringjax.masks import Extras, StepOptions, TokenInfo, maybe_visible
+from ringjax.merge import add_sinks, merge_attention
 from ringjax.options import AttentionOptions
 from ringjax.schedule import ring_plan, steps_may_be_empty
+from ringjax.tiles import shard_range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,21 @@ class BlockKernel:
     ring_fwd: Callable[..., Any] | None = None
     ring_bwd: Callable[..., Any] | None = None
 
+    @classmethod
+    def without_extras(cls, name: str, block_fwd: Callable[..., Any], block_bwd: Callable[..., Any], **kw):
+        """A kernel from steps that take no `extras` (their backend refuses ALiBi and dropout):
+        block_fwd(q, k, v, q_info, k_info, opts, config), block_bwd(..., opts, config) -> (dq, dk, dv)."""
 
-def _shift(tree, opts: AttentionOptions, d: int):
+        def fwd(q, k, v, q_info, k_info, extras, opts, config):
+            return block_fwd(q, k, v, q_info, k_info, opts, config)
+
+        def bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+            return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+
+        return cls(name, fwd, bwd, **kw)
+
+
+def shift(tree, opts: AttentionOptions, d: int):
     """Device r receives the value of device r - d (mod N)."""
     n = opts.axis_size
     d %= n
@@ -61,7 +75,8 @@ def _shift(tree, opts: AttentionOptions, d: int):
     return jax.tree.map(lambda x: lax.ppermute(x, opts.axis_name, perm), tree)
 
 
-def _shard_index(opts: AttentionOptions):
+def shard_index(opts: AttentionOptions):
+    """This device's index on the ring (0 without a ring)."""
     return lax.axis_index(opts.axis_name) if opts.axis_name is not None else jnp.int32(0)
 
 
@@ -69,7 +84,7 @@ def _run_step(opts, kernel, q_info, k_info, compute, empty):
     """Run `compute` unless the mask hides every key of this step from every query."""
     if kernel.skips_empty_steps or not steps_may_be_empty(opts):
         return compute()
-    pred = maybe_visible(opts, block_range(q_info), block_range(k_info))
+    pred = maybe_visible(opts, shard_range(q_info), shard_range(k_info))
     return lax.cond(pred, compute, empty)
 
 
@@ -101,6 +116,11 @@ def _infos(opts, shard, q, q_seg):
     return TokenInfo(pos, q_seg, segpos)
 
 
+def _without_sinks(opts, plan):
+    """Options of the regular steps: a shortened ring leaves the sink tokens to a step of their own."""
+    return dataclasses.replace(opts, num_sink_tokens=0) if plan.sink_step else opts
+
+
 def _sink_onehot(pos, s, dtype):
     return (pos[None, :] == jnp.arange(s, dtype=pos.dtype)[:, None]).astype(dtype)  # [s, L]
 
@@ -122,15 +142,15 @@ def _sink_info(opts):
 def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     b, t, h, _ = q.shape
     n = opts.axis_size
-    shard = _shard_index(opts)
+    shard = shard_index(opts)
     plan = ring_plan(opts, t)
     q_info = _infos(opts, shard, q, q_seg)
-    ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
-    kv = _shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
+    ring_opts = _without_sinks(opts, plan)
+    kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
     out = lse = None
     for step in range(plan.num_steps):
         # issue the next transfer before this step's compute so the two overlap
-        nxt = _shift(kv, opts, 1) if step + 1 < plan.num_steps else None
+        nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
         src = plan.source(shard, step, n)
         k_info = TokenInfo(local_positions(opts.layout, src, n, t), seg_cur, segpos_cur)
@@ -146,19 +166,11 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
         out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
         kv = nxt
     if plan.sink_step:
-        sink_opts = dataclasses.replace(opts, sink_mode="only")
+        sink_opts = StepOptions.sink_step(opts)
         k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
         o, l = kernel.fwd(q, k_s, v_s, q_info, _sink_info(opts), extras, sink_opts, config)
         out, lse = merge_attention(out, lse, o, l)
     return out, lse
-
-
-def _add_sinks(out, lse, sinks):
-    """exp(sinks[h]) joins every denominator: rescale out, raise lse."""
-    sink = sinks.astype(jnp.float32)[None, :, None]
-    new_lse = jnp.logaddexp(lse, sink)
-    scale = jnp.exp(lse - new_lse)  # 0 for rows that saw no key
-    return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -174,7 +186,7 @@ def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
     else:
         out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
     if sinks is not None:
-        out, lse = _add_sinks(out, lse, sinks)
+        out, lse = add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)
     return out, lse, (q, k, v, q_seg, kv_seg, sinks, extras, out, lse)
 
@@ -209,16 +221,16 @@ def _bwd_rule(opts, kernel, config, res, cts):
 def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     t = q.shape[1]
     n = opts.axis_size
-    shard = _shard_index(opts)
+    shard = shard_index(opts)
     plan = ring_plan(opts, t)
-    ring_opts = dataclasses.replace(opts, sink_mode="exclude") if plan.sink_step else opts
+    ring_opts = _without_sinks(opts, plan)
     q_info = _infos(opts, shard, q, q_seg)
     alibi = extras.alibi_slopes is not None
 
-    kv = _shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
+    kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
     dq = dkv = dslopes = None
     for step in range(plan.num_steps):
-        nxt = _shift(kv, opts, 1) if step + 1 < plan.num_steps else None
+        nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
         k_info = TokenInfo(local_positions(opts.layout, plan.source(shard, step, n), n, t), seg_cur, segpos_cur)
 
@@ -236,12 +248,12 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
         dslopes = dsl_s if dslopes is None else dslopes + dsl_s
         dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)
         if step + 1 < plan.num_steps:
-            dkv = _shift(dkv, opts, 1)  # dK/dV travel with the K/V they belong to
+            dkv = shift(dkv, opts, 1)  # dK/dV travel with the K/V they belong to
         kv = nxt
-    dk, dv = _shift(dkv, opts, plan.home_shift)
+    dk, dv = shift(dkv, opts, plan.home_shift)
 
     if plan.sink_step:
-        sink_opts = dataclasses.replace(opts, sink_mode="only")
+        sink_opts = StepOptions.sink_step(opts)
         k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
         dq_s, dk_s, dv_s, dsl_s = kernel.bwd(q, k_s, v_s, dout, lse, delta, q_info, _sink_info(opts), extras,
                                              sink_opts, config)

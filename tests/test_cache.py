@@ -50,7 +50,7 @@ def test_key_holds_everything_that_changes_the_kernel():
     assert key["dtype"] == "float32" and key["axis_size"] == 4 and key["device_kind"] == "cpu"
     assert key["features"] == {"causal": True, "window": [8, 0], "has_segments": False, "logits_soft_cap": False,
                                "has_sinks": False, "layout": "zigzag", "gqa_ratio": 2, "chunk_size": None,
-                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0, "sink_mode": "inline"}
+                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0}
     assert key["versions"] == {"jax": jax.__version__, "jaxlib": key["versions"]["jaxlib"],
                                "ringjax": ringjax.__version__, "schema": cache.SCHEMA_VERSION}
     base = _problem()
