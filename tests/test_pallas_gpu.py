@@ -18,9 +18,10 @@ from ringjax.pallas.gpu import GpuConfig
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas_gpu" if ON_GPU else "pallas_gpu_interpret"
 # smallest legal blocks, so tiny shards still have several blocks per step
-SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16)
+SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
+                  interpret=not ON_GPU)
 FUSED = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
-                  bwd_fused=True)
+                  bwd_fused=True, interpret=not ON_GPU)
 
 CASES = [
     # (devices, layout, dtype, input kwargs, attention kwargs)
