@@ -1,6 +1,6 @@
 """ringjax: exact ring attention for JAX over a sequence sharded on a named mesh axis."""
 
-from ringjax._version import __version__
+from ringjax._version import __version__ as __version__
 from ringjax.api import ring_attention
 from ringjax.autotuning import TuneSettings, autotune
 from ringjax.dilated import dilated_attention

@@ -33,7 +33,7 @@ def pick_block(length: int, want: int, opts: AttentionOptions, **rules) -> int |
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Static block structure of one step: q [batch, q_len, heads, head_dim] against k [batch, kv_len, kv_heads, ...]."""
+    """Static block structure of one step: q [batch, q_len, heads, head_dim] against k [batch, kv_len, kv_heads, _]."""
 
     batch: int
     heads: int

@@ -105,7 +105,8 @@ class PallasGpuImplementation:
     def run(self, problem: Problem, config: GpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         check_interpret(self.name, self.interpret, config)
         capability, limit = _shared_memory(problem)
-        too_big = cfg.over_limit(config, problem.head_dim, _itemsize(problem), limit)
+        used = cfg.used_blocks(config, problem.opts, problem.seq)
+        too_big = cfg.over_limit(used, problem.head_dim, _itemsize(problem), limit)
         if too_big:
             raise ValueError(f"{self.name}: {config} does not fit this GPU (compute capability "
                              f"{'.'.join(map(str, capability))}): {too_big}; use smaller blocks or fewer stages, "

@@ -79,6 +79,13 @@ def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: in
     return bq, bk
 
 
+def used_blocks(config: GpuConfig, opts: AttentionOptions, seq: int) -> GpuConfig:
+    """`config` with the block sizes the kernels use on shards of `seq` tokens."""
+    bq, bk = block_sizes(opts, seq, seq, config.block_q, config.block_kv)
+    bbq, bbk = block_sizes(opts, seq, seq, config.bwd_block_q, config.bwd_block_kv)
+    return dataclasses.replace(config, block_q=bq, block_kv=bk, bwd_block_q=bbq, bwd_block_kv=bbk)
+
+
 # ---------------------------------------------------------------- shared memory
 
 
