@@ -232,11 +232,12 @@ def gather_axis(x, axis: int):
     return jax.reshard(x, PartitionSpec(*new))
 
 
-# the logger through which jax >= 0.12's interpreter reports races when told to warn rather than raise
-_RACE_LOGGER = "jax._src.pallas.mosaic.interpret.race_detection_state"
-
-
 class _PrintRaces(logging.Handler):
+    """Prints the race reports of jax >= 0.12's TPU interpreter, which logs them on the root logger."""
+
+    def filter(self, record):
+        return record.pathname.endswith("race_detection_state.py") and record.getMessage().startswith("RACE")
+
     def emit(self, record):
         print(record.getMessage(), flush=True)
 
@@ -245,16 +246,17 @@ def tpu_interpret_params(detect_races: bool):
     """Pallas TPU interpreter parameters; a detected race is printed and recorded, never raised.
 
     jax <= 0.11 prints each race and records it; jax >= 0.12 raises on the first one unless
-    told to warn, and then logs it: a handler prints those records as older versions did.
+    told to warn, and then logs it: a handler (installed the first time races are detected)
+    prints those records as older versions did.
     """
     from jax.experimental.pallas import tpu as pltpu
 
     fields = getattr(pltpu.InterpretParams, "__dataclass_fields__", {})
     if not detect_races or "on_race" not in fields:
         return pltpu.InterpretParams(detect_races=detect_races)
-    logger = logging.getLogger(_RACE_LOGGER)
-    if not any(isinstance(h, _PrintRaces) for h in logger.handlers):
-        logger.addHandler(_PrintRaces())
+    root = logging.getLogger()
+    if not any(isinstance(h, _PrintRaces) for h in root.handlers):
+        root.addHandler(_PrintRaces())
     return pltpu.InterpretParams(detect_races=True, on_race="warn")
 
 
