@@ -102,6 +102,23 @@ class AttentionLayerConfig:
         return shapes
 
 
+# the config's fields but in_features, which Linen reads from the input
+LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionLayerConfig) if f.name != "in_features")
+
+
+def layer_config(config: AttentionLayerConfig | None, in_features: int | None, num_heads: int | None,
+                 options: dict) -> AttentionLayerConfig:
+    """A layer's config: `config` as given, or one built from the layer's arguments (in_features,
+    num_heads and the other AttentionLayerConfig fields by name in `options`); not both."""
+    if config is None:
+        return AttentionLayerConfig(in_features=in_features, num_heads=num_heads, **options)
+    if not isinstance(config, AttentionLayerConfig):
+        raise TypeError(f"config must be an AttentionLayerConfig, got {type(config).__name__}")
+    if in_features is not None or num_heads is not None or options:
+        raise TypeError("pass either config= or the layer's options (in_features, num_heads, ...), not both")
+    return config
+
+
 def fan_in(name: str, shape: tuple[int, ...]) -> int:
     """Inputs summed into one output of parameter `name` (its contracted axes)."""
     return shape[0] if name in ("q", "k", "v") else shape[0] * shape[1]
@@ -112,12 +129,6 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
     if name == "sinks":
         return jnp.zeros(shape, dtype)
     return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in(name, shape))).astype(dtype)
-
-
-def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
-    shapes = cfg.param_shapes()
-    keys = jax.random.split(key, len(shapes))
-    return {name: init_param(name, k, shape, param_dtype) for k, (name, shape) in zip(keys, shapes.items())}
 
 
 def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions=None, dtype=None):
