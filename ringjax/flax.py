@@ -87,7 +87,8 @@ class LinenMultiHeadAttention(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     def layer_config(self, in_features: int) -> AttentionLayerConfig:
-        return AttentionLayerConfig(in_features=in_features, **{name: getattr(self, name) for name in core.LAYER_FIELDS})
+        fields = {name: getattr(self, name) for name in core.LAYER_FIELDS}
+        return AttentionLayerConfig(in_features=in_features, **fields)
 
     @nn.compact
     def __call__(

@@ -162,19 +162,22 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
             zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
-        o, l = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
-        out, lse = (o, l) if out is None else merge_attention(out, lse, o, l)
+        o, lse_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
+        out, lse = (o, lse_s) if out is None else merge_attention(out, lse, o, lse_s)
         kv = nxt
     if plan.sink_step:
         sink_opts = StepOptions.sink_step(opts)
         k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
-        o, l = kernel.fwd(q, k_s, v_s, q_info, _sink_info(opts), extras, sink_opts, config)
-        out, lse = merge_attention(out, lse, o, l)
+        o, lse_s = kernel.fwd(q, k_s, v_s, q_info, _sink_info(opts), extras, sink_opts, config)
+        out, lse = merge_attention(out, lse, o, lse_s)
     return out, lse
 
 
+_NO_EXTRAS = Extras()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=Extras()):
+def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=_NO_EXTRAS):
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
     out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return out, lse

@@ -150,7 +150,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
 
         def kv_block(j, carry):
             def compute(carry):
-                m, l, acc = carry
+                m, denom, acc = carry
                 tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
                              TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
@@ -159,17 +159,17 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
                 m_safe = finite_or_zero(m_new)
                 p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
                 alpha = jnp.exp(m - m_safe)
-                l = alpha * l + p.sum(axis=-1)
+                denom = alpha * denom + p.sum(axis=-1)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
                                 preferred_element_type=jnp.float32, precision=prec)
-                return m_new, l, alpha[..., None] * acc + pv
+                return m_new, denom, alpha[..., None] * acc + pv
 
             if not skip:
                 return compute(carry)
             return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
 
-        m, l, acc = lax.fori_loop(0, nk, kv_block, init)
-        return finish(acc, m, l)
+        m, denom, acc = lax.fori_loop(0, nk, kv_block, init)
+        return finish(acc, m, denom)
 
     out, lse = lax.map(q_block, jnp.arange(nq))
     # lse [nq, B, KVH, G, bq] -> [B, H, T]

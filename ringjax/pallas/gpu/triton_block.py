@@ -174,7 +174,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
     q_tok = _tokens(r.qpos, r.qseg, ...)
 
     def step(blk, carry, masked):
-        m, l, acc = carry
+        m, denom, acc = carry
         keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
         k, v = r.k[keys, :], r.v[keys, :]
         s, _ = _logits2(_dot(q, k, trans_b=True), opts)
@@ -185,14 +185,14 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         m_use = finite_or_zero(m_new) if masked else m_new
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
-        l = alpha * l + p.sum(axis=1)
+        denom = alpha * denom + p.sum(axis=1)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     bq, d = tl.block_q, tl.head_dim
     init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    m, l, acc = _walk(mode, r.tables, row, i, tl.num_kv, step, init)
-    out, lse = finish(acc, m, l, base2=True)
+    m, denom, acc = _walk(mode, r.tables, row, i, tl.num_kv, step, init)
+    out, lse = finish(acc, m, denom, base2=True)
     r.out[...] = out
     r.lse[...] = lse
 
