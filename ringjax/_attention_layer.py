@@ -131,6 +131,19 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in(name, shape))).astype(dtype)
 
 
+PROJECTIONS = ("q", "k", "v", "o")
+
+
+def init_params(cfg: AttentionLayerConfig, keys, dtype) -> dict[str, jax.Array]:
+    """Initial parameters by name: the q, k, v, o projections (one key each, in that order from
+    `keys`) and, with use_sinks, sinks."""
+    shapes = cfg.param_shapes()
+    params = {name: init_param(name, key, shapes[name], dtype) for name, key in zip(PROJECTIONS, keys)}
+    if cfg.use_sinks:
+        params["sinks"] = init_param("sinks", None, shapes["sinks"], dtype)
+    return params
+
+
 def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions=None, dtype=None):
     """x [batch, seq, in_features] -> [batch, seq, out_features].
 

@@ -42,13 +42,9 @@ class MultiHeadAttention(eqx.Module):
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
         self.dtype = dtype
-        shapes = self.config.param_shapes()
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj = core.init_param("q", kq, shapes["q"], param_dtype)
-        self.k_proj = core.init_param("k", kk, shapes["k"], param_dtype)
-        self.v_proj = core.init_param("v", kv, shapes["v"], param_dtype)
-        self.o_proj = core.init_param("o", ko, shapes["o"], param_dtype)
-        self.sinks = core.init_param("sinks", None, shapes["sinks"], param_dtype) if self.config.use_sinks else None
+        params = core.init_params(self.config, jax.random.split(key, len(core.PROJECTIONS)), param_dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (params[n] for n in core.PROJECTIONS)
+        self.sinks = params.get("sinks")
 
     def __call__(
         self,

@@ -40,13 +40,9 @@ class MultiHeadAttention(nnx.Module):
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
         self.dtype = dtype
-        shapes = self.config.param_shapes()
-        self.q_proj = nnx.Param(core.init_param("q", rngs.params(), shapes["q"], param_dtype))
-        self.k_proj = nnx.Param(core.init_param("k", rngs.params(), shapes["k"], param_dtype))
-        self.v_proj = nnx.Param(core.init_param("v", rngs.params(), shapes["v"], param_dtype))
-        self.o_proj = nnx.Param(core.init_param("o", rngs.params(), shapes["o"], param_dtype))
-        use_sinks = self.config.use_sinks
-        self.sinks = nnx.Param(core.init_param("sinks", None, shapes["sinks"], param_dtype)) if use_sinks else None
+        params = core.init_params(self.config, [rngs.params() for _ in core.PROJECTIONS], param_dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nnx.Param(params[n]) for n in core.PROJECTIONS)
+        self.sinks = nnx.Param(params["sinks"]) if "sinks" in params else None
 
     def __call__(
         self,

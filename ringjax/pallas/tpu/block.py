@@ -368,48 +368,35 @@ def _load_rows(r, tl: Tiling):
             r.delta[...].reshape(rows, 1))
 
 
-def dkv_step(r, dk_ref, dv_ref, meta: MetaRefs, opts: AttentionOptions, tl: Tiling):
-    """Add one tile pair's contribution to the dK and dV tiles; `r` names the q, k, v, do, lse, delta refs."""
+def grad_step(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling, *, dq=None, dk=None, dv=None):
+    """Add one tile pair's contribution to the dQ tile `dq`, or to the dK and dV tiles `dk`, `dv`;
+    `r` names the q, k, v, do, lse, delta refs."""
     prec = matmul_precision(r.q.dtype)
     q, k, v, do, lse, delta = _load_rows(r, tl)
     p, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-    dv_ref[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
-    dk_ref[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
+    if dq is not None:
+        dq[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq.shape)
+    if dk is not None:
+        dv[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
+        dk[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
 
 
-def dq_step(r, dq_ref, meta: MetaRefs, opts: AttentionOptions, tl: Tiling):
-    """Add one tile pair's contribution to the dQ tile; `r` names the q, k, v, do, lse, delta refs."""
-    prec = matmul_precision(r.q.dtype)
-    q, k, v, do, lse, delta = _load_rows(r, tl)
-    _, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-    dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq_ref.shape)
-
-
-def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
+def _grad_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
+    """dQ of a query tile over the key tiles (grid (B, KVH, nq, nk)) if the layout names a "dq" output,
+    else dK and dV of a key tile over the query tiles (grid (B, KVH, nk, nq))."""
     pl, _ = _pallas()
     r = Refs(layout, refs)
     meta = MetaRefs(tl, r.scalars, r.tiles)
-    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    b, outer, inner = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    i, j = (outer, inner) if r.dq is not None else (inner, outer)
+    grads = {"dq": r.dq} if r.dq is not None else {"dk": r.dk, "dv": r.dv}
 
-    @pl.when(i == 0)
+    @pl.when(inner == 0)
     def _init():
-        r.dk[...] = jnp.zeros(r.dk.shape, jnp.float32)
-        r.dv[...] = jnp.zeros(r.dv.shape, jnp.float32)
+        for ref in grads.values():
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    when_visible(opts, meta, b, i, j, lambda: dkv_step(r, r.dk, r.dv, meta, opts, tl))
-
-
-def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
-    pl, _ = _pallas()
-    r = Refs(layout, refs)
-    meta = MetaRefs(tl, r.scalars, r.tiles)
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-
-    @pl.when(j == 0)
-    def _init():
-        r.dq[...] = jnp.zeros(r.dq.shape, jnp.float32)
-
-    when_visible(opts, meta, b, i, j, lambda: dq_step(r, r.dq, meta, opts, tl))
+    when_visible(opts, meta, b, i, j, lambda: grad_step(r, meta, opts, tl, **grads))
 
 
 def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> Operands:
@@ -442,11 +429,11 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
 
     # dK, dV: kv tiles outer, q tiles inner
     outs = Operands().add("dk", kv_grads, _k_spec(tl, False)).add("dv", kv_grads, _k_spec(tl, False))
-    dk, dv = _launch(_dkv_kernel, "ringjax_tpu_bwd_dkv", tl, opts, config, meta, operands(False), outs,
+    dk, dv = _launch(_grad_kernel, "ringjax_tpu_bwd_dkv", tl, opts, config, meta, operands(False), outs,
                      q_first=False, matmuls=3)
     # dQ: q tiles outer, kv tiles inner
     dq_shape = ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim), jnp.float32)
     outs = Operands().add("dq", dq_shape, q_spec(tl, tl.head_dim, True))
-    (dq,) = _launch(_dq_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs, q_first=True,
+    (dq,) = _launch(_grad_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs, q_first=True,
                     matmuls=2)
     return tokens_major(dq), kv_major(dk), kv_major(dv)

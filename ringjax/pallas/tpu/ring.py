@@ -311,7 +311,7 @@ def _compute_gradients(r: Refs, ring: _Ring, opts: AttentionOptions, tl: Tiling)
             t.dk[...] = jnp.zeros(t.dk.shape, jnp.float32)
             t.dv[...] = jnp.zeros(t.dv.shape, jnp.float32)
 
-        block.when_visible(opts, meta, bi, i, j, lambda: block.dkv_step(t, t.dk, t.dv, meta, opts, tl))
+        block.when_visible(opts, meta, bi, i, j, lambda: block.grad_step(t, meta, opts, tl, dk=t.dk, dv=t.dv))
 
     def dq_body(t: Refs, meta: MetaRefs):
         bi, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
@@ -326,7 +326,7 @@ def _compute_gradients(r: Refs, ring: _Ring, opts: AttentionOptions, tl: Tiling)
             def _():
                 t.dq[...] = t.dq_in[...]
 
-        block.when_visible(opts, meta, bi, i, j, lambda: block.dq_step(t, t.dq, meta, opts, tl))
+        block.when_visible(opts, meta, bi, i, j, lambda: block.grad_step(t, meta, opts, tl, dq=t.dq))
 
     def dkv_tile(which):  # [bk, D] tiles of dK (0) or dV (1) in slot `target` of the dK/dV buffer
         return pl.BlockSpec((None, None, None, None, tl.block_kv, d),
