@@ -461,7 +461,7 @@ def tune_shapes(
     """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways)."""
     import jax.numpy as jnp
 
-    from ringjax.options import make_options
+    from ringjax.options import make_options, sequence_chunks
 
     kv_heads = heads if kv_heads is None else kv_heads
     for name, value in (("batch", batch), ("seq", seq), ("heads", heads), ("kv_heads", kv_heads),
@@ -470,7 +470,7 @@ def tune_shapes(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    chunks = sequence_chunks(layout, axis_size)
     if seq % chunks:
         raise ValueError(f"seq ({seq}) must be divisible by {chunks} for axis_size {axis_size} and layout {layout!r}")
     stand_in = jnp.zeros((1, 1, 1, head_dim), dtype)  # only shape and dtype are read

@@ -67,7 +67,18 @@ class AttentionOptions:
     @property
     def shards_per_device(self) -> int:
         """How many contiguous chunks of the global sequence one device holds."""
-        return 2 if self.layout == "zigzag" else 1
+        return shards_per_device(self.layout)
+
+
+def shards_per_device(layout: str) -> int:
+    """How many contiguous chunks of the global sequence one device holds under `layout` (zigzag: 2)."""
+    return 2 if layout == "zigzag" else 1
+
+
+def sequence_chunks(layout: str, axis_size: int) -> int:
+    """How many equal chunks `layout` cuts a global sequence into on `axis_size` devices:
+    its length must be a multiple of this."""
+    return axis_size * shards_per_device(layout)
 
 
 def _static_number(value: Any, name: str, kind: type) -> Any:
@@ -129,9 +140,9 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
     kv_heads = k.shape[2]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    chunks = sequence_chunks(layout, axis_size)
     if local:
-        if layout == "zigzag" and seq % 2:
+        if seq % shards_per_device(layout):
             raise ValueError(f"zigzag layout needs an even local sequence length, got {seq}")
     elif seq % chunks:
         what = "2 x the axis size" if layout == "zigzag" else "the axis size"

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ringjax.options import LAYOUTS, sequence_chunks, shards_per_device
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -61,7 +63,6 @@ CHIPS = {
 }
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2}
-_LAYOUTS = ("contiguous", "zigzag", "striped")
 # fraction of peak a good attention kernel reaches: cuDNN reached 570-600 TFLOP/s of 989 on an
 # H200 at 32K tokens (shared/anchors.md, 2026-11-21); nothing is measured on TPU yet
 DEFAULT_EFFICIENCY = 0.6
@@ -152,7 +153,7 @@ def _divisors(n: int, candidates) -> list[int]:
 
 def _blocks(chip: Chip, local_seq: int, groups: int, head_dim: int, itemsize: int, layout: str):
     """Largest tiles that fit the chip's VMEM budget (TPU) or the usual Hopper tiles (GPU)."""
-    unit = local_seq // (2 if layout == "zigzag" else 1)
+    unit = local_seq // shards_per_device(layout)
     if chip.kind == "gpu":
         bq = max(_divisors(unit, (64, 128)) or [unit])
         return bq, max(_divisors(unit, (64, 128)) or [unit])
@@ -212,9 +213,9 @@ def plan(
         raise ValueError(f"backward_flop_factor must be positive, got {backward_flop_factor}")
     recommended = "zigzag" if causal else "contiguous"
     layout = recommended if layout is None else layout
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS} or None, got {layout!r}")
-    chunks = ring_size * (2 if layout == "zigzag" else 1)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    chunks = sequence_chunks(layout, ring_size)
     if seq_len % chunks:
         raise ValueError(f"seq_len {seq_len} must be divisible by {chunks} for layout {layout!r}")
 
