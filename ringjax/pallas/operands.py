@@ -42,7 +42,8 @@ class Operands:
 
 
 class Refs:
-    """The refs a kernel received, by the names of `layout` (absent optional ones read as None)."""
+    """The refs a kernel received, by the names of `layout`: `r.q` (a name the layout lacks is an
+    error), `r.get("qseg")` for operands that may be absent (None then)."""
 
     def __init__(self, layout, refs):
         self._by_name: dict[str, Any] = {}
@@ -54,6 +55,12 @@ class Refs:
             raise ValueError(f"kernel got {len(refs)} refs, its layout names {i}")
 
     def __getattr__(self, name: str):
-        if name.startswith("_"):
+        if name.startswith("_"):  # private attributes are never operands (and _by_name may not exist yet)
             raise AttributeError(name)
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise AttributeError(f"no kernel operand named {name!r}; the layout has {sorted(self._by_name)}") from None
+
+    def get(self, name: str):
         return self._by_name.get(name)

@@ -171,7 +171,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
     i = _q_block(opts, tl.num_q, pl.program_id(0))
     row = pl.program_id(1) if tl.has_segments else 0
     q = r.q[...]
-    q_tok = _tokens(r.qpos, r.qseg, ...)
+    q_tok = _tokens(r.qpos, r.get("qseg"), ...)
 
     def step(blk, carry, masked):
         m, denom, acc = carry
@@ -179,7 +179,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         k, v = r.k[keys, :], r.v[keys, :]
         s, _ = _logits2(_dot(q, k, trans_b=True), opts)
         if masked:
-            s = jnp.where(_mask(opts, q_tok, _tokens(r.kpos, r.kseg, keys), s.shape), s, _NEG_INF)
+            s = jnp.where(_mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), s.shape), s, _NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         # rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives exact zeros
         m_use = finite_or_zero(m_new) if masked else m_new
@@ -214,12 +214,12 @@ def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
     i = _q_block(opts, tl.num_q, pl.program_id(0))
     row = pl.program_id(1) if tl.has_segments else 0
     q, do, lse, delta = r.q[...], r.do[...], r.lse[...], r.delta[...]
-    q_tok = _tokens(r.qpos, r.qseg, ...)
+    q_tok = _tokens(r.qpos, r.get("qseg"), ...)
 
     def step(blk, dq, masked):
         keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
         k, v = r.k[keys, :], r.v[keys, :]
-        mask = _mask(opts, q_tok, _tokens(r.kpos, r.kseg, keys), (tl.block_q, bk)) if masked else None
+        mask = _mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), (tl.block_q, bk)) if masked else None
         _, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -233,7 +233,7 @@ def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
     j = pl.program_id(0)
     row = pl.program_id(1) if tl.has_segments else 0
     k, v = r.k[...], r.v[...]
-    k_tok = _tokens(r.kpos, r.kseg, ...)
+    k_tok = _tokens(r.kpos, r.get("kseg"), ...)
 
     def head(g, carry):
         def step(blk, carry, masked):
@@ -241,11 +241,11 @@ def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
             rows = pl.ds(pl.multiple_of(blk * bq, bq), bq)
             q, do = r.q[rows, g, :], r.do[rows, g, :]
             lse, delta = r.lse[g, rows], r.delta[g, rows]
-            mask = _mask(opts, _tokens(r.qpos, r.qseg, rows), k_tok, (bq, tl.block_kv)) if masked else None
+            mask = _mask(opts, _tokens(r.qpos, r.get("qseg"), rows), k_tok, (bq, tl.block_kv)) if masked else None
             p, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-            if r.dq is not None:  # fused: the output aliased to the zeros passed in as dq_zeros
+            if r.get("dq") is not None:  # fused: the output aliased to the zeros passed in as dq_zeros
                 atomic_add(r.dq, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
             return dk, dv
 

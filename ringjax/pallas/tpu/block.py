@@ -388,8 +388,9 @@ def _grad_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
     r = Refs(layout, refs)
     meta = MetaRefs(tl, r.scalars, r.tiles)
     b, outer, inner = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    i, j = (outer, inner) if r.dq is not None else (inner, outer)
-    grads = {"dq": r.dq} if r.dq is not None else {"dk": r.dk, "dv": r.dv}
+    wrt_q = r.get("dq") is not None
+    i, j = (outer, inner) if wrt_q else (inner, outer)
+    grads = {"dq": r.dq} if wrt_q else {"dk": r.dk, "dv": r.dv}
 
     @pl.when(inner == 0)
     def _init():
