@@ -25,7 +25,8 @@ class TokenInfo(NamedTuple):
 
 
 class BlockRange(NamedTuple):
-    """Bounds of a block's positions and segment ids (scalars, may be traced)."""
+    """Bounds of a block's positions and segment ids: scalars, or arrays over many blocks that
+    broadcast against each other (`tiles.block_ranges`); may be traced."""
 
     pos_lo: jnp.ndarray
     pos_hi: jnp.ndarray
