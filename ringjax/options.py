@@ -37,6 +37,11 @@ class AttentionOptions:
     has_alibi: bool = False
     dropout_rate: float = 0.0
     num_sink_tokens: int = 0
+    # K/V of the whole axis gathered once (the all_gather strategy) instead of travelling the ring
+    gather_kv: bool = False
+    # a device holds `subshards` layout shards of axis_size * subshards: shards i * axis_size + r
+    # (i < subshards), concatenated; what a Ulysses all-to-all over a major axis leaves (strategies.py)
+    subshards: int = 1
     # which part of the sink-token rule a ring step applies: "inline" (base | sinks),
     # "exclude" (base only) or "only" (sinks the base rule hides); set by the ring
     sink_mode: str = "inline"
@@ -66,13 +71,18 @@ class AttentionOptions:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+        if not isinstance(self.gather_kv, bool):
+            raise TypeError(f"gather_kv must be a bool, got {self.gather_kv!r}")
+        if isinstance(self.subshards, bool) or not isinstance(self.subshards, int) or self.subshards < 1:
+            raise ValueError(f"subshards must be a positive int, got {self.subshards!r}")
         if self.sink_mode not in ("inline", "exclude", "only"):
             raise ValueError(f"sink_mode must be inline, exclude or only, got {self.sink_mode!r}")
 
     @property
     def shards_per_device(self) -> int:
-        """How many contiguous chunks of the global sequence one device holds."""
-        return 2 if self.layout == "zigzag" else 1
+        """How many separately placed runs (zigzag chunks, subshards) a device's tokens form; blocks never
+        straddle two."""
+        return (2 if self.layout == "zigzag" else 1) * self.subshards
 
 
 def _static_number(value: Any, name: str, kind: type) -> Any:
