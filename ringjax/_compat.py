@@ -111,6 +111,44 @@ def sharding_spec(x):
     return spec
 
 
+def explicit_spec(x):
+    """The PartitionSpec of `x` if its type carries one over Explicit mesh axes, else None.
+
+    Under auto axes a traced array's type says nothing about where it lives (XLA decides
+    after tracing), so its nominal spec must not be reused as an output sharding.
+    """
+    from jax.sharding import AxisType
+
+    try:
+        sharding = jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001 - not a jax value
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return None
+    if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return None
+    return sharding.spec
+
+
+def explicit_mesh_context(mesh):
+    """`jax.set_mesh(mesh)` if `mesh` has Explicit axes (their gathers need it), else a no-op context."""
+    import contextlib
+
+    if mesh is None or not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return contextlib.nullcontext()
+    return jax.set_mesh(mesh)
+
+
+def constrain(x, sharding):
+    """Place traced `x` at `sharding` (a NamedSharding, or a PartitionSpec under a context mesh)."""
+    spec = getattr(sharding, "spec", sharding)
+    mesh = getattr(sharding, "mesh", None) or context_mesh()
+    if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def struct_like(shape, dtype, ref):
     """ShapeDtypeStruct varying over the same mesh axes as `ref` (pallas_call outputs in shard_map)."""
     mat = getattr(jax.typeof(ref), "mat", None)

@@ -213,27 +213,26 @@ def _timed_step(impl, problem: registry.Problem, config, mesh, backward: bool):
     """A jittable f(q, k, v, seg, sinks, w, slopes, seed) running `impl` with `config` on global stand-ins."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
 
+    from ringjax import calling
     from ringjax.masks import Extras
 
     axis = problem.opts.axis_name
+    call = calling.Call("global", axis, problem.opts.axis_size, mesh) if mesh is not None else calling.Call(
+        "single", None, 1)
 
     def per_device(q, k, v, seg, sinks, slopes, seed):
         extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
         return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
 
+    roles = (calling.TOKENS, calling.TOKENS, calling.TOKENS, calling.SEQ, calling.HEADS, calling.HEADS,
+             calling.REPLICATED)
+
     def step(q, k, v, seg, sinks, w, slopes, seed):
-        attn = per_device
-        if mesh is not None:
-            spec = P(None, axis)
-            attn = jax.shard_map(
-                per_device,
-                mesh=mesh,
-                in_specs=(spec, spec, spec, None if seg is None else spec, None if sinks is None else P(),
-                          None if slopes is None else P(), None if seed is None else P()),
-                out_specs=(spec, P(None, None, axis)),
-            )
+        def attn(q, k, v, seg, sinks, slopes, seed):
+            return calling.run(call, per_device, (q, k, v, seg, sinks, slopes, seed), roles,
+                               (calling.TOKENS, calling.LSE))
+
         if not backward:
             return attn(q, k, v, seg, sinks, slopes, seed)
 

@@ -19,18 +19,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from ringjax import _compat, api
+from ringjax import _compat, calling
 from ringjax.api import ring_attention
+from ringjax.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import merge_attention_many
-from ringjax.options import LAYOUTS, check_inputs, normalize_window
+from ringjax.options import check_inputs, make_options
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -209,24 +208,21 @@ def dilated_attention(
     if unsupported:
         raise TypeError(f"dilated_attention does not support {sorted(unsupported)}")
     branches = _branches(segment_lengths, dilation_rates)
-    mode, axis_size, mesh_obj = api._resolve_axis(axis_name, mesh)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    call = calling.resolve(axis_name, mesh)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    check_inputs(q, k, v, segment_ids, sinks, axis_size=axis_size, layout=layout, local=mode != "global")
-    seq, head_dim = q.shape[1], q.shape[3]
-    local_len = seq // axis_size if mode == "global" else seq
-    _check_layout(layout, branches, axis_size, local_len)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(head_dim)
-    ring_kw = dict(causal=causal, window=normalize_window(sliding_window, causal), softmax_scale=softmax_scale,
-                   logits_soft_cap=logits_soft_cap, implementation=implementation, config=config,
+    check_inputs(q, k, v, segment_ids, sinks, axis_size=call.axis_size, layout=layout, local=not call.is_global)
+    opts = make_options(q, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                        logits_soft_cap=logits_soft_cap, layout=layout, axis_name=axis_name,
+                        axis_size=call.axis_size, has_segments=segment_ids is not None, has_sinks=sinks is not None)
+    seq = q.shape[1]
+    local_len = seq // call.axis_size if call.is_global else seq
+    _check_layout(layout, branches, call.axis_size, local_len)
+    ring_kw = dict(causal=causal, window=opts.window, softmax_scale=opts.softmax_scale,
+                   logits_soft_cap=opts.logits_soft_cap, implementation=implementation, config=config,
                    autotune=autotune)
-    per_device_kw = dict(branches=branches, axis_name=axis_name, axis_size=axis_size, layout=layout,
-                         global_len=local_len * axis_size)
+    per_device_kw = dict(branches=branches, axis_name=axis_name, axis_size=call.axis_size, layout=layout,
+                         global_len=local_len * call.axis_size)
 
     def per_device(q, k, v, seg, sinks):
         if sinks is not None and axis_name is not None:
@@ -234,41 +230,14 @@ def dilated_attention(
         out, lse = _dilated_shard(q, k, v, seg, sinks, ring_kw=dict(ring_kw), **per_device_kw)
         return out.astype(q.dtype), lse
 
-    if mode != "global":
-        out, lse = per_device(q, k, v, segment_ids, sinks)
-    else:
-        out, lse = _global(per_device, mesh_obj, axis_name, branches, q, k, v, segment_ids, sinks)
-    return (out, lse) if return_lse else out
-
-
-def _global(per_device, mesh, axis_name, branches, q, k, v, segment_ids, sinks):
-    """Run `per_device` under shard_map; batch and heads keep their sharding when they can."""
-    batch_axes, head_axes = api._other_axes(q, mesh, axis_name)
-    ways = lambda axes: math.prod(mesh.shape[a] for a in axes)
-    if q.shape[0] % ways(batch_axes):
-        batch_axes = ()
     rates = math.lcm(*(r for _, r in branches))
-    local_heads, local_kv = q.shape[2] // ways(head_axes), k.shape[2] // ways(head_axes)
+    heads, kv_heads = q.shape[2], k.shape[2]
     # head offsets h % r stay those of the global head index only if local head counts are multiples of r
-    if (q.shape[2] % ways(head_axes) or k.shape[2] % ways(head_axes) or local_heads % rates
-            or local_heads % local_kv):
-        head_axes = ()
-    b, h = api._entry(batch_axes), api._entry(head_axes)
-    qkv_spec = P(b, axis_name, h, None)
-    args = (q, k, v, segment_ids, sinks)
-    specs = (qkv_spec, qkv_spec, qkv_spec, None if segment_ids is None else P(b, axis_name),
-             None if sinks is None else P(h))
-    present = [i for i, a in enumerate(args) if a is not None]
-
-    def per_device_present(*xs):
-        full = [None] * len(args)
-        for i, x in zip(present, xs):
-            full[i] = x
-        return per_device(*full)
-
-    return jax.shard_map(
-        per_device_present,
-        mesh=mesh,
-        in_specs=tuple(specs[i] for i in present),
-        out_specs=(qkv_spec, P(b, h, axis_name)),
-    )(*(_compat.reshard(args[i], mesh, specs[i]) for i in present))
+    call = calling.with_spare_axes(
+        call, q, batch=q.shape[0], kv_heads=kv_heads,
+        keep_heads_if=lambda ways: heads % ways == 0 and (heads // ways) % rates == 0
+        and (heads // ways) % (kv_heads // ways) == 0,
+    )
+    out, lse = calling.run(call, per_device, (q, k, v, segment_ids, sinks), (TOKENS, TOKENS, TOKENS, SEQ, HEADS),
+                           (TOKENS, LSE))
+    return (out, lse) if return_lse else out

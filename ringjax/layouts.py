@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 
 from ringjax import _compat
 from ringjax.options import LAYOUTS
@@ -58,31 +60,60 @@ def _permutation(layout: str, axis_size: int, seq: int) -> np.ndarray:
     )
 
 
-def _reorder(x, order: np.ndarray, axis: int):
-    index = (slice(None),) * (axis % x.ndim) + (order,)
-    if isinstance(x, np.ndarray):
-        return x[index]
-    concrete = getattr(x, "sharding", None)
-    if isinstance(concrete, NamedSharding):
-        return x.at[index].get(out_sharding=concrete)
-    spec = _compat.sharding_spec(x)
-    if spec is not None:
-        # explicitly sharded tracer: keep the input's sharding rather than guess one
+def _take(x, order: np.ndarray, axis: int):
+    """x reordered along `axis` inside a trace, keeping an explicit sharding where x has one."""
+    index = (slice(None),) * axis + (order,)
+    spec = _compat.explicit_spec(x)
+    if spec is not None:  # explicit axes: the gather needs its output sharding spelled out
         return x.at[index].get(out_sharding=spec)
-    return jnp.asarray(x)[index]
+    return x[index]
 
 
-def to_layout(x, layout: str, axis_size: int, axis: int = 1):
-    """Reorder a global array so that contiguous sharding along `axis` gives `layout`."""
-    _check(layout, axis_size, x.shape[axis])
+@functools.lru_cache(maxsize=64)
+def _compiled_take(order: bytes, axis: int, sharding):
+    index = np.frombuffer(order, np.int64)
+    return jax.jit(lambda x: _take(x, index, axis), out_shardings=sharding)
+
+
+def _reorder(x, order: np.ndarray, axis: int, out_sharding=None):
+    if isinstance(x, jax.core.Tracer):
+        y = _take(x, order, axis)
+        return y if out_sharding is None else _compat.constrain(y, out_sharding)
+    if not isinstance(x, jax.Array):  # numpy (or anything array-like) stays on the host
+        return np.asarray(x)[(slice(None),) * axis + (order,)]
+    # a concrete array keeps its placement, whatever kind of mesh (or device) it lives on
+    sharding = out_sharding if out_sharding is not None else x.sharding
+    fn = _compiled_take(order.astype(np.int64).tobytes(), axis, sharding)
+    with _compat.explicit_mesh_context(getattr(x.sharding, "mesh", None)):
+        return fn(x)
+
+
+def _normalize_axis(x, axis: int) -> int:
+    ndim = np.ndim(x)
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis must be an int in [-{ndim}, {ndim}) for an array of shape {np.shape(x)}, got {axis!r}")
+    return int(axis) % ndim
+
+
+def to_layout(x, layout: str, axis_size: int, axis: int = 1, *, out_sharding=None):
+    """Reorder a global array so that contiguous sharding along `axis` gives `layout`.
+
+    Works on numpy arrays (returns numpy), jax arrays on any mesh or device (the result
+    keeps x's sharding) and tracers inside `jit` (explicit mesh axes are kept; with auto
+    axes XLA places the result unless `out_sharding`, a `NamedSharding` or, under
+    `jax.set_mesh`, a `PartitionSpec`, says where it goes).
+    """
+    axis = _normalize_axis(x, axis)
+    _check(layout, axis_size, np.shape(x)[axis])
     if layout == "contiguous":
         return x
-    return _reorder(x, _permutation(layout, axis_size, x.shape[axis]), axis)
+    return _reorder(x, _permutation(layout, axis_size, np.shape(x)[axis]), axis, out_sharding)
 
 
-def from_layout(x, layout: str, axis_size: int, axis: int = 1):
-    """Inverse of `to_layout`: restore natural token order along `axis`."""
-    _check(layout, axis_size, x.shape[axis])
+def from_layout(x, layout: str, axis_size: int, axis: int = 1, *, out_sharding=None):
+    """Inverse of `to_layout`: restore natural token order along `axis` (same input kinds)."""
+    axis = _normalize_axis(x, axis)
+    _check(layout, axis_size, np.shape(x)[axis])
     if layout == "contiguous":
         return x
-    return _reorder(x, np.argsort(_permutation(layout, axis_size, x.shape[axis])), axis)
+    return _reorder(x, np.argsort(_permutation(layout, axis_size, np.shape(x)[axis])), axis, out_sharding)

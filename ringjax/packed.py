@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from ringjax import api
+from ringjax import calling
 from ringjax.api import ring_attention
 from ringjax.layouts import local_positions
 
@@ -103,7 +103,8 @@ def ring_attention_varlen(
     _check_varlen(q, k, v, cu_seqlens)
     axis_name = kwargs.get("axis_name", "sp")
     layout = kwargs.get("layout", "contiguous")
-    mode, axis_size, _ = api._resolve_axis(axis_name, kwargs.get("mesh"))
+    call = calling.resolve(axis_name, kwargs.get("mesh"))
+    mode, axis_size = call.mode, call.axis_size
     local_len = q.shape[0]
     if mode == "local":
         total = local_len * axis_size

@@ -24,7 +24,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from ringjax import _compat, registry
+from ringjax import _compat, plan, registry
+from ringjax.schedule import reach
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
 CHOICES = STRATEGIES + ("auto",)
@@ -91,17 +92,18 @@ def check_strategy(strategy, axis_name) -> None:
     if not isinstance(strategy, str) or strategy not in CHOICES:
         raise ValueError(f"strategy must be one of {CHOICES}, got {strategy!r}")
     pair = isinstance(axis_name, (tuple, list))
-    if strategy == "hybrid":
+    if strategy == "hybrid" or (strategy == "auto" and pair):
         if not pair or len(axis_name) != 2 or not all(isinstance(a, str) for a in axis_name):
             raise TypeError(
-                "strategy='hybrid' takes axis_name=(head_axis, ring_axis): two mesh axis names, the sequence "
-                f"sharded over both with the head axis major, e.g. P(None, ('hp', 'sp')); got {axis_name!r}"
+                f"strategy={strategy!r} with a pair of axes takes axis_name=(head_axis, ring_axis): two mesh axis "
+                "names, the sequence sharded over both with the head axis major, e.g. P(None, ('hp', 'sp')); got "
+                f"{axis_name!r}" + (" (strategy='hybrid' always needs the pair)" if strategy == "hybrid" else "")
             )
         if axis_name[0] == axis_name[1]:
-            raise ValueError(f"strategy='hybrid' needs two different axes, got axis_name={tuple(axis_name)!r}")
+            raise ValueError(f"strategy={strategy!r} needs two different axes, got axis_name={tuple(axis_name)!r}")
     elif pair:
         raise TypeError(
-            f"axis_name {tuple(axis_name)!r} is a pair of axes: only strategy='hybrid' takes one "
+            f"axis_name {tuple(axis_name)!r} is a pair of axes: only strategy='hybrid' (or 'auto') takes one "
             f"(got strategy={strategy!r}); the other strategies take one axis name"
         )
 
@@ -156,3 +158,63 @@ def run_per_device(strategy: Strategy, impl, problem: registry.Problem, config, 
     out = lax.all_to_all(out, axis, 1, 2, tiled=True)
     lse = lax.all_to_all(lse, axis, 2, 1, tiled=True)
     return out, lse
+
+
+def choose(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
+           op: str = "ring_attention") -> Strategy:
+    """The strategy "auto" runs; the choice and its reason go to the "ringjax.strategy" logger (DEBUG)."""
+    strategy, reason = decide(base, axis_name, sizes, implementation=implementation, op=op)
+    log.debug("strategy='auto' chose %s: %s", strategy.describe(), reason)
+    return strategy
+
+
+def decide(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
+           op: str = "ring_attention", chip: plan.Chip | None = None) -> tuple[Strategy, str]:
+    """(strategy, reason) for "auto": the cost model's fastest strategy that fits in memory and that
+    `implementation` runs. `chip` defaults to the CHIPS entry of this platform's device kind."""
+    if axis_name is None:
+        return Strategy("ring"), "axis_name=None: one device, nothing to distribute"
+    if isinstance(axis_name, tuple):
+        return bind("hybrid", axis_name, sizes), "axis_name is a pair of axes: hybrid is the strategy over two"
+    n = sizes[axis_name]
+    ring = bind("ring", axis_name, sizes)
+    if n == 1:
+        return ring, f"axis {axis_name!r} has one device"
+    if reach(base.opts) is not None:
+        return ring, ("the mask bounds how far a query sees (sliding_window or chunk_size): the ring skips the "
+                      "shards out of reach, which the cost model does not price")
+    if chip is None:
+        kind = registry.current_device_kind(base.platform)
+        chip = plan.chip_for(kind)
+        if chip is None:
+            return ring, f"no cost figures for device kind {kind!r} (ringjax.plan.CHIPS): the default, ring"
+    dtype = base.dtype if base.dtype in ("bfloat16", "float16") else None
+    if dtype is None or (dtype == "float16" and chip.kind == "tpu"):
+        return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring"
+    costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads, kv_heads=base.kv_heads,
+                                head_dim=base.head_dim, dtype=dtype, causal=base.opts.causal,
+                                layout=base.opts.layout, batch=base.batch)
+    refused = []
+    for cost in sorted(costs, key=lambda c: c.total_s):
+        if not (cost.fits and math.isfinite(cost.total_s)):
+            refused.append(f"{cost.strategy}: {cost.note}")
+            continue
+        strategy = bind(cost.strategy, axis_name, sizes)
+        why = _refusal(strategy, base, implementation, op)
+        if why is not None:
+            refused.append(f"{cost.strategy}: {why}")
+            continue
+        others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
+                           if c is not cost and math.isfinite(c.total_s))
+        reason = (f"cost model on {n} x {chip.name}: {cost.total_s * 1e3:.3g} ms forward + backward"
+                  + (f" against {others}" if others else "") + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
+        return strategy, reason
+    return ring, "no other strategy can run: " + "; ".join(refused)
+
+
+def _refusal(strategy: Strategy, base: registry.Problem, implementation: str, op: str) -> str | None:
+    try:
+        registry.choose(op, implementation, strategy.problem(base))
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return None
