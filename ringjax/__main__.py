@@ -53,16 +53,22 @@ def _load_file(path: Path):
 def _cmd_implementations(args) -> int:
     from ringjax import list_implementations
 
-    for impl in list_implementations(args.op):
-        here = "runs here" if impl["runs_here"] else "not on this platform"
-        print(f"{impl['name']:<12} priority {impl['priority']:<4} {','.join(impl['platforms']):<16} {here}")
+    rows = [(impl["name"], str(impl["priority"]), ",".join(impl["platforms"]),
+             "runs here" if impl["runs_here"] else "not on this platform")
+            for impl in list_implementations(args.op)]
+    rows.insert(0, ("name", "priority", "platforms", "here"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
     return 0
 
 
 def _cmd_cache_list(args) -> int:
     from ringjax import cache
 
-    print(f"user cache: {cache.cache_dir()}")
+    folder = cache.cache_dir()
+    state = "" if folder.is_dir() else " (does not exist yet: nothing has been tuned or imported)"
+    print(f"user cache: {folder}{state}")
     for label, files in (("user", cache.user_files()), ("shipped", cache.shipped_files())):
         for path in files:
             doc, err = _load_file(path)

@@ -131,6 +131,14 @@ def explicit_spec(x):
     return sharding.spec
 
 
+def is_committed(x) -> bool:
+    """Whether a concrete jax.Array was placed explicitly (device_put, a sharded result)."""
+    committed = getattr(x, "committed", None)
+    if committed is None:
+        committed = getattr(x, "_committed", True)
+    return bool(committed)
+
+
 def explicit_mesh_context(mesh):
     """`jax.set_mesh(mesh)` if `mesh` has Explicit axes (their gathers need it), else a no-op context."""
     import contextlib

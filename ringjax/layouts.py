@@ -81,7 +81,9 @@ def _reorder(x, order: np.ndarray, axis: int, out_sharding=None):
         return y if out_sharding is None else _compat.constrain(y, out_sharding)
     if not isinstance(x, jax.Array):  # numpy (or anything array-like) stays on the host
         return np.asarray(x)[(slice(None),) * axis + (order,)]
-    # a concrete array keeps its placement, whatever kind of mesh (or device) it lives on
+    if out_sharding is None and not _compat.is_committed(x):
+        return x[(slice(None),) * axis + (order,)]  # uncommitted in, uncommitted out: jax may move it freely
+    # a committed array keeps its placement, whatever kind of mesh (or device) it lives on
     sharding = out_sharding if out_sharding is not None else x.sharding
     fn = _compiled_take(order.astype(np.int64).tobytes(), axis, sharding)
     with _compat.explicit_mesh_context(getattr(x.sharding, "mesh", None)):

@@ -228,3 +228,22 @@ def test_shipped_files_are_valid():
         doc = cache.read_document(path)
         for entry in doc["entries"].values():
             assert "versions" not in entry["key"], f"{path.name}: shipped keys must be portable"
+
+
+def test_cli_list_clear_and_implementations_tell_the_truth(cache_dir, capsys):
+    assert not cache_dir.exists()
+    assert cli(["cache", "list"]) == 0
+    assert "does not exist yet" in capsys.readouterr().out
+    cache.user_store("cpu").put(_entry(_problem()))
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["cpu.json", "cpu.json.lock"]
+    assert cli(["cache", "list"]) == 0
+    assert "does not exist" not in capsys.readouterr().out
+    assert cli(["cache", "clear"]) == 0
+    assert list(cache_dir.iterdir()) == [], "clear leaves no file behind, lock included"
+    cache.user_store("cpu").put(_entry(_problem()))  # the store still works after its lock was removed
+    assert cache.lookup("ring_attention", "xla", _problem())[0] == "persistent"
+    capsys.readouterr()
+    assert cli(["implementations"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    columns = {line.index(line.split()[1]) for line in lines}  # the priority column starts at one offset
+    assert len(lines) >= 4 and len(columns) == 1
