@@ -71,10 +71,8 @@ class AttentionOptions:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
-        if not isinstance(self.gather_kv, bool):
-            raise TypeError(f"gather_kv must be a bool, got {self.gather_kv!r}")
-        if isinstance(self.subshards, bool) or not isinstance(self.subshards, int) or self.subshards < 1:
-            raise ValueError(f"subshards must be a positive int, got {self.subshards!r}")
+        if self.subshards < 1:
+            raise ValueError(f"subshards must be >= 1, got {self.subshards}")
         if self.sink_mode not in ("inline", "exclude", "only"):
             raise ValueError(f"sink_mode must be inline, exclude or only, got {self.sink_mode!r}")
 

@@ -6,6 +6,7 @@ simulated CPU devices: 2, 4 and 8 for the one-axis strategies, a 2 x 4 mesh for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -127,3 +128,148 @@ def test_layouts_causal(strategy, layout):
     x = make_inputs(7 + LAYOUTS.index(layout), seq=48 if len(shape) == 1 and shape[0] != 8 else 32,
                     heads=4 if shape != (8,) else 8, kv_heads=2, sinks=True)
     _check(x, shape, strategy, layout, ("global", "shard_map")[LAYOUTS.index(layout) % 2], causal=True)
+
+
+# ---------------------------------------------------------------------------- what each strategy moves
+
+
+def _lowered_text(shape, strategy, backward):
+    mesh = _mesh(shape)
+    axis = "sp" if len(shape) == 1 else ("hp", "sp")
+    q = jax.ShapeDtypeStruct((1, 64, 8, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, axis)))
+    kv = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.float32, sharding=NamedSharding(mesh, P(None, axis)))
+
+    def f(q, k, v):
+        out = ringjax.ring_attention(q, k, v, axis_name=axis, strategy=strategy, causal=True, implementation="xla")
+        return out.sum()
+
+    fn = jax.grad(f, argnums=(0, 1, 2)) if backward else f
+    with jax.set_mesh(mesh):
+        return jax.jit(fn).lower(q, kv, kv).as_text()
+
+
+@pytest.mark.parametrize("strategy, shape, present, absent", [
+    ("ring", (4,), ["collective_permute"], ["all_to_all"]),
+    ("all_gather", (4,), ["all_gather", "reduce_scatter"], ["collective_permute", "all_to_all"]),
+    ("ulysses", (4,), ["all_to_all"], ["collective_permute"]),
+    ("hybrid", (2, 4), ["all_to_all", "collective_permute"], []),
+])
+def test_collectives(strategy, shape, present, absent):
+    """Each strategy moves data with its own collectives (forward and backward)."""
+    text = _lowered_text(shape, strategy, backward=True)
+    for op in present:
+        assert f"stablehlo.{op}" in text, op
+    for op in absent:
+        assert f"stablehlo.{op}" not in text, op
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _qkv(heads=4, kv_heads=2, seq=16):
+    return jnp.ones((1, seq, heads, 8)), jnp.ones((1, seq, kv_heads, 8)), jnp.ones((1, seq, kv_heads, 8))
+
+
+@pytest.mark.parametrize("strategy, axis_name, error, match", [
+    ("rings", "sp", ValueError, "strategy must be one of"),
+    (None, "sp", ValueError, "strategy must be one of"),
+    ("hybrid", "sp", TypeError, "hybrid.*axis_name=\\(head_axis, ring_axis\\)"),
+    ("hybrid", None, TypeError, "always needs the pair"),
+    ("hybrid", ("sp", "sp"), ValueError, "two different axes"),
+    ("hybrid", ("hp", 3), TypeError, "axis_name"),
+    ("ring", ("hp", "sp"), TypeError, "pair of axes: only strategy='hybrid'"),
+    ("ulysses", ("hp", "sp"), TypeError, "pair of axes"),
+])
+def test_bad_strategy_or_axis_name(strategy, axis_name, error, match):
+    q, k, v = _qkv()
+    with pytest.raises(error, match=match):
+        ringjax.ring_attention(q, k, v, axis_name=axis_name, strategy=strategy)
+
+
+def test_ulysses_needs_heads_divisible_by_the_axis():
+    mesh = _mesh((8,))
+    q, k, v = _qkv(heads=4, kv_heads=2)
+    for strategy in ("ulysses", "hybrid"):
+        axis = "sp" if strategy == "ulysses" else ("hp", "sp")
+        m = mesh if strategy == "ulysses" else _mesh((8, 1))
+        with pytest.raises(ValueError, match=r"query heads \(4 per device\) divisible by the size of axis"):
+            ringjax.ring_attention(q, k, v, axis_name=axis, mesh=m, strategy=strategy)
+
+
+def test_single_device_strategies_agree():
+    """axis_name=None: every one-axis strategy is the same single-device attention."""
+    x = make_inputs(5, seq=16, heads=4, kv_heads=2)
+    q, k, v = (jnp.asarray(x[n]) for n in ("q", "k", "v"))
+    ref = reference_for(x, causal=True)["out"]
+    for strategy in ("ring", "all_gather", "ulysses", "auto"):
+        out = ringjax.ring_attention(q, k, v, axis_name=None, causal=True, strategy=strategy, implementation="xla")
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- auto
+
+
+def _base(seq, heads, kv_heads, *, causal=True, layout="contiguous", dtype="bfloat16", **kw):
+    from ringjax import registry
+    from ringjax.options import make_options
+
+    opts = make_options(jnp.zeros((1, 1, 1, 128), dtype), causal=causal, sliding_window=kw.get("window"),
+                        softmax_scale=None, logits_soft_cap=None, layout=layout, axis_name=None, axis_size=1,
+                        has_segments=False, has_sinks=False)
+    return registry.Problem(opts=opts, batch=1, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=128, dtype=dtype,
+                            platform="cpu")
+
+
+@pytest.mark.parametrize("layout, heads, kv_heads, n, tokens", [
+    ("contiguous", 32, 32, 2, 8192),  # causal imbalance of the ring: ulysses is balanced
+    ("zigzag", 32, 8, 2, 8192),
+    ("zigzag", 32, 32, 4, 32768),
+    ("zigzag", 32, 8, 8, 2048),
+])
+def test_auto_follows_the_cost_model(layout, heads, kv_heads, n, tokens):
+    from ringjax import plan, strategies
+
+    chip = plan.CHIPS["h200"]
+    costs = plan.strategy_costs(chip, devices=n, seq_len=n * tokens, heads=heads, kv_heads=kv_heads, head_dim=128,
+                                layout=layout)
+    strategy, reason = strategies.decide(_base(tokens, heads, kv_heads, layout=layout), "sp", {"sp": n}, chip=chip)
+    best = plan.best_strategy(costs)
+    assert strategy == strategies.bind(best.strategy, "sp", {"sp": n})
+    assert reason.startswith(f"cost model on {n} x H200 SXM: {best.total_s * 1e3:.3g} ms")
+    for c in costs:
+        assert f"{c.strategy} {c.total_s * 1e3:.3g} ms" in reason or c is best
+    if layout == "contiguous":
+        assert strategy.name == "ulysses"
+
+
+def test_auto_rules_out_what_cannot_run():
+    from ringjax import plan, strategies
+
+    # 6 heads do not split over 4 devices; a chip with little HBM cannot hold the gathered K/V
+    small = dataclasses.replace(plan.CHIPS["h200"], hbm_bytes=2**30)
+    base = _base(65536, 6, 6, layout="contiguous")
+    strategy, reason = strategies.decide(base, "sp", {"sp": 4}, chip=small)
+    assert strategy.name == "ring"
+    assert "ulysses: heads (6) not divisible by 4 devices" in reason
+    assert "all_gather: needs" in reason and "over the memory budget" in reason
+    # masks that bound a query's reach keep the ring, which skips the shards out of reach
+    strategy, reason = strategies.decide(_base(8192, 32, 8, window=128), "sp", {"sp": 4}, chip=small)
+    assert strategy.name == "ring" and "sliding_window" in reason
+    # no figures for the device: the default
+    strategy, reason = strategies.decide(_base(8192, 32, 8), "sp", {"sp": 4})
+    assert strategy.name == "ring" and "no cost figures for device kind" in reason
+
+
+def test_auto_end_to_end_logs_its_choice(monkeypatch, caplog):
+    """On a (pretended) H200 the model picks ulysses for contiguous causal; the result is exact."""
+    import logging
+
+    from ringjax import registry
+
+    monkeypatch.setattr(registry, "current_device_kind", lambda platform=None: "NVIDIA H200")
+    x = make_inputs(21, seq=32, heads=4, kv_heads=2, dtype="bfloat16")
+    with caplog.at_level(logging.DEBUG, logger="ringjax.strategy"):
+        got = run_strategy(x, (4,), "auto", mode="global", causal=True)
+    check_against_reference(got, reference_for(x, causal=True), "bfloat16")
+    chosen = [r.getMessage() for r in caplog.records if r.name == "ringjax.strategy"]
+    assert chosen and chosen[0].startswith("strategy='auto' chose ulysses over 'sp' of 4: cost model on 4 x H200")
