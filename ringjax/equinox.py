@@ -48,9 +48,10 @@ class MultiHeadAttention(eqx.Module):
         softmax_scale: float | None = None,
         use_sinks: bool = False,
         rope_base: float | None = 10000.0,
-        axis_name: str | None = "sp",
+        axis_name: str | tuple[str, str] | None = "sp",
         layout: str = "contiguous",
         implementation: str = "auto",
+        strategy: str = "ring",
         dtype=None,
         param_dtype=jnp.float32,
         key: PRNGKeyArray,
@@ -70,6 +71,7 @@ class MultiHeadAttention(eqx.Module):
             axis_name=axis_name,
             layout=layout,
             implementation=implementation,
+            strategy=strategy,
         )
         self.dtype = dtype
         shapes = self.config.param_shapes()

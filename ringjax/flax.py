@@ -46,9 +46,10 @@ class MultiHeadAttention(nnx.Module):
         softmax_scale: float | None = None,
         use_sinks: bool = False,
         rope_base: float | None = 10000.0,
-        axis_name: str | None = "sp",
+        axis_name: str | tuple[str, str] | None = "sp",
         layout: str = "contiguous",
         implementation: str = "auto",
+        strategy: str = "ring",
         dtype=None,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -68,6 +69,7 @@ class MultiHeadAttention(nnx.Module):
             axis_name=axis_name,
             layout=layout,
             implementation=implementation,
+            strategy=strategy,
         )
         self.dtype = dtype
         shapes = self.config.param_shapes()
@@ -108,9 +110,10 @@ class LinenMultiHeadAttention(nn.Module):
     softmax_scale: float | None = None
     use_sinks: bool = False
     rope_base: float | None = 10000.0
-    axis_name: str | None = "sp"
+    axis_name: str | tuple[str, str] | None = "sp"
     layout: str = "contiguous"
     implementation: str = "auto"
+    strategy: str = "ring"
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 
@@ -130,6 +133,7 @@ class LinenMultiHeadAttention(nn.Module):
             axis_name=self.axis_name,
             layout=self.layout,
             implementation=self.implementation,
+            strategy=self.strategy,
         )
 
     @nn.compact

@@ -44,8 +44,7 @@ def _compiled(shape, strategy, layout, mode, kw_items, has):
             if rng is not None:
                 rng = jax.random.wrap_key_data(rng)
             return ringjax.ring_attention(q, k, v, axis_name=axis, strategy=strategy, layout=layout, segment_ids=seg,
-                                          sinks=sinks, alibi_slopes=alibi, dropout_rng=rng, return_lse=True,
-                                          implementation="xla", config=BLOCKS, **kw)
+                                          sinks=sinks, alibi_slopes=alibi, dropout_rng=rng, return_lse=True, **kw)
 
         if mode == "shard_map":
             spec = P(None, axis)
@@ -61,14 +60,17 @@ def _compiled(shape, strategy, layout, mode, kw_items, has):
     return jax.jit(jax.value_and_grad(loss_and_out, argnums=grad_args, has_aux=True)), mesh, axis
 
 
-def run_strategy(x, shape, strategy, *, layout="contiguous", mode="shard_map", **kw):
+def run_strategy(x, shape, strategy, *, layout="contiguous", mode="shard_map", implementation="xla", config=BLOCKS,
+                 **kw):
     """Outputs, lse and gradients in natural token order, as float64 numpy."""
     has = ("segment_ids" in x, "sinks" in x, "alibi_slopes" in x)
+    kw = dict(kw, implementation=implementation, config=config)
     fn, mesh, axis = _compiled(shape, strategy, layout, mode, tuple(sorted(kw.items())), has)
     n = int(np.prod(shape))
     seq = NamedSharding(mesh, P(None, axis))
     to = functools.partial(ringjax.to_layout, layout=layout, axis_size=n, axis=1)
-    q, k, v, dout = (jax.device_put(to(jnp.asarray(x[name])), seq) for name in ("q", "k", "v", "dout"))
+    q, k, v = (jax.device_put(to(jnp.asarray(x[name], x["dtype"])), seq) for name in ("q", "k", "v"))
+    dout = jax.device_put(to(jnp.asarray(x["dout"])), seq)
     seg = jax.device_put(to(jnp.asarray(x["segment_ids"])), seq) if "segment_ids" in x else None
     rep = NamedSharding(mesh, P())
     sinks, alibi, rng = (jax.device_put(jnp.asarray(x[name]), rep) if name in x else None
@@ -78,7 +80,9 @@ def run_strategy(x, shape, strategy, *, layout="contiguous", mode="shard_map", *
     with jax.set_mesh(mesh):
         (_, (out, lse)), grads = fn(q, k, v, seg, sinks, alibi, rng, dout, dlse)
     back = lambda a, axis=1: np.asarray(ringjax.from_layout(np.asarray(a), layout, n, axis=axis), np.float64)  # noqa: E731
-    res = {"out": back(out), "lse": back(lse, 2), "dq": back(grads[0]), "dk": back(grads[1]), "dv": back(grads[2])}
+    f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    res = {"out": back(f32(out)), "lse": back(lse, 2), "dq": back(f32(grads[0])), "dk": back(f32(grads[1])),
+           "dv": back(f32(grads[2]))}
     extra = iter(grads[3:])
     if "sinks" in x:
         res["dsinks"] = np.asarray(next(extra), np.float64)
@@ -88,8 +92,9 @@ def run_strategy(x, shape, strategy, *, layout="contiguous", mode="shard_map", *
 
 
 def _check(x, shape, strategy, layout="contiguous", mode="shard_map", **kw):
-    got = run_strategy(x, shape, strategy, layout=layout, mode=mode, **kw)
-    check_against_reference(got, reference_for(x, **kw), "float32")
+    impl = {k: kw.pop(k) for k in ("implementation", "config") if k in kw}
+    got = run_strategy(x, shape, strategy, layout=layout, mode=mode, **impl, **kw)
+    check_against_reference(got, reference_for(x, **kw), x["dtype"])
     return got
 
 
@@ -105,7 +110,7 @@ FEATURES = {
     "alibi_dropout_window": (dict(heads=8, kv_heads=2, alibi=True, dropout_key=3),
                              dict(sliding_window=(6, 3), dropout_rate=0.25)),
 }
-SHAPES = {"all_gather": [(2,), (4,), (8,)], "ulysses": [(2,), (4,), (8,)], "hybrid": [(2, 4)]}
+SHAPES = {"all_gather": [(2,), (4,), (8,)], "ulysses": [(2,), (4,), (8,)], "hybrid": [(2, 4), (4, 2)]}
 
 
 def _cases():
@@ -128,6 +133,24 @@ def test_layouts_causal(strategy, layout):
     x = make_inputs(7 + LAYOUTS.index(layout), seq=48 if len(shape) == 1 and shape[0] != 8 else 32,
                     heads=4 if shape != (8,) else 8, kv_heads=2, sinks=True)
     _check(x, shape, strategy, layout, ("global", "shard_map")[LAYOUTS.index(layout) % 2], causal=True)
+
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@pytest.mark.parametrize("strategy, shape, layout, xkw, kw", [
+    ("all_gather", (2,), "zigzag", dict(heads=4, kv_heads=1), dict(causal=True)),
+    ("ulysses", (2,), "striped", dict(heads=4, kv_heads=1, segments="random", sinks=True), dict(causal=True)),
+    ("hybrid", (2, 2), "contiguous", dict(heads=4, kv_heads=2), dict(causal=True, logits_soft_cap=3.0)),
+])
+def test_pallas_gpu_kernels(strategy, shape, layout, xkw, kw):
+    """The Triton kernels under each strategy (compiled on a GPU, in the Pallas interpreter elsewhere)."""
+    from ringjax.pallas.gpu import GpuConfig
+
+    config = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16)
+    x = make_inputs(41 + len(shape), seq=64 * len(shape), **xkw)
+    _check(x, shape, strategy, layout, "global", implementation="pallas_gpu" if ON_GPU else "pallas_gpu_interpret",
+           config=config, **kw)
 
 
 # ---------------------------------------------------------------------------- what each strategy moves
@@ -273,3 +296,44 @@ def test_auto_end_to_end_logs_its_choice(monkeypatch, caplog):
     check_against_reference(got, reference_for(x, causal=True), "bfloat16")
     chosen = [r.getMessage() for r in caplog.records if r.name == "ringjax.strategy"]
     assert chosen and chosen[0].startswith("strategy='auto' chose ulysses over 'sp' of 4: cost model on 4 x H200")
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+@pytest.mark.parametrize("strategy, shape, layout", [("hybrid", (2, 2), "zigzag"), ("ulysses", (4,), "striped")])
+def test_layer_strategy_matches_unsharded(strategy, shape, layout):
+    """The layers' core with `strategy` (rotary positions included) equals the unsharded layer."""
+    from ringjax import _attention_layer as core
+
+    mesh = _mesh(shape)
+    axis = "sp" if len(shape) == 1 else ("hp", "sp")
+    kw = dict(in_features=16, num_heads=4, num_kv_heads=2, causal=True, use_sinks=True)
+    cfg = core.AttentionLayerConfig(**kw, axis_name=axis, layout=layout, strategy=strategy, implementation="xla")
+    params = core.init_params(cfg, jax.random.key(1))
+    params["sinks"] = jnp.linspace(-1.0, 1.0, 4)
+    x = jax.random.normal(jax.random.key(2), (2, 32, 16))
+    n = int(np.prod(shape))
+    sharded = jax.jit(jax.shard_map(lambda p, x: core.forward(cfg, p, x), mesh=mesh, in_specs=(P(), P(None, axis)),
+                                    out_specs=P(None, axis)))
+    xs = jax.device_put(ringjax.to_layout(x, layout, n), NamedSharding(mesh, P(None, axis)))
+    params_rep = jax.device_put(params, NamedSharding(mesh, P()))
+    got = ringjax.from_layout(np.asarray(sharded(params_rep, xs)), layout, n)
+    ref = core.forward(core.AttentionLayerConfig(**kw, axis_name=None, implementation="xla"), params, x)
+    np.testing.assert_allclose(got, np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_layers_take_strategy():
+    pytest.importorskip("equinox")
+    pytest.importorskip("flax")
+    from flax import nnx
+
+    from ringjax.equinox import MultiHeadAttention as EqxAttention
+    from ringjax.flax import LinenMultiHeadAttention, MultiHeadAttention
+
+    assert EqxAttention(16, 4, axis_name=("hp", "sp"), strategy="hybrid", key=jax.random.key(0)).config.strategy == \
+        "hybrid"
+    assert MultiHeadAttention(16, 4, strategy="all_gather", rngs=nnx.Rngs(0)).config.strategy == "all_gather"
+    assert LinenMultiHeadAttention(4, strategy="ulysses").layer_config(16).strategy == "ulysses"
+    with pytest.raises(TypeError, match="hybrid"):
+        EqxAttention(16, 4, axis_name="sp", strategy="hybrid", key=jax.random.key(0))
