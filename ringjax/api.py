@@ -100,7 +100,8 @@ def ring_attention(
         platform=registry.current_platform(),
     )
     if strategy == "auto":
-        strat = strategies.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation)
+        strat = strategies.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,
+                                  autotune=autotune)
     else:
         strat = strategies.bind(strategy, call.axis_name, call.axis_sizes())
     problem = strat.problem(base)

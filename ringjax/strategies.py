@@ -161,55 +161,77 @@ def run_per_device(strategy: Strategy, impl, problem: registry.Problem, config, 
 
 
 def choose(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
-           op: str = "ring_attention") -> Strategy:
-    """The strategy "auto" runs; the choice and its reason go to the "ringjax.strategy" logger (DEBUG)."""
-    strategy, reason = decide(base, axis_name, sizes, implementation=implementation, op=op)
+           op: str = "ring_attention", autotune: str | None = None) -> Strategy:
+    """The strategy "auto" runs: measured where the autotuner has (or, with tuning "on", takes) a
+    measurement, else the cost model's. The choice and its reason go to the "ringjax.strategy"
+    logger at DEBUG level."""
+    from ringjax import autotuning
+
+    strategy, reason, runnable = _decide(base, axis_name, sizes, implementation, op, None)
+    measured = autotuning.measured_strategy(op, base, runnable, implementation, autotune)
+    if measured is not None and measured.strategy is not None:
+        times = ", ".join(f"{name} {t * 1e3:.3g} ms" for name, t, err in measured.timings if err is None)
+        reason = (f"measured fastest ({measured.source}{': ' + times if times else ''}); "
+                  f"the cost model's choice was {strategy.name} ({reason})")
+        strategy = measured.strategy
     log.debug("strategy='auto' chose %s: %s", strategy.describe(), reason)
     return strategy
 
 
 def decide(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
            op: str = "ring_attention", chip: plan.Chip | None = None) -> tuple[Strategy, str]:
-    """(strategy, reason) for "auto": the cost model's fastest strategy that fits in memory and that
+    """(strategy, reason) from the cost model alone: its fastest strategy that fits in memory and that
     `implementation` runs. `chip` defaults to the CHIPS entry of this platform's device kind."""
+    strategy, reason, _ = _decide(base, axis_name, sizes, implementation, op, chip)
+    return strategy, reason
+
+
+def _decide(base, axis_name, sizes, implementation, op, chip):
+    """(model's choice, reason, the strategies worth measuring)."""
     if axis_name is None:
-        return Strategy("ring"), "axis_name=None: one device, nothing to distribute"
+        return Strategy("ring"), "axis_name=None: one device, nothing to distribute", []
     if isinstance(axis_name, tuple):
-        return bind("hybrid", axis_name, sizes), "axis_name is a pair of axes: hybrid is the strategy over two"
+        hybrid = bind("hybrid", axis_name, sizes)
+        return hybrid, "axis_name is a pair of axes: hybrid is the strategy over two", []
     n = sizes[axis_name]
     ring = bind("ring", axis_name, sizes)
     if n == 1:
-        return ring, f"axis {axis_name!r} has one device"
+        return ring, f"axis {axis_name!r} has one device", []
+    runnable, refused = [], []
+    for name in ("ring", "all_gather", "ulysses"):
+        why = _refusal(bind(name, axis_name, sizes), base, implementation, op)
+        if why is None:
+            runnable.append(bind(name, axis_name, sizes))
+        else:
+            refused.append(f"{name}: {why}")
     if reach(base.opts) is not None:
         return ring, ("the mask bounds how far a query sees (sliding_window or chunk_size): the ring skips the "
-                      "shards out of reach, which the cost model does not price")
+                      "shards out of reach, which the cost model does not price"), runnable
     if chip is None:
         kind = registry.current_device_kind(base.platform)
         chip = plan.chip_for(kind)
         if chip is None:
-            return ring, f"no cost figures for device kind {kind!r} (ringjax.plan.CHIPS): the default, ring"
-    dtype = base.dtype if base.dtype in ("bfloat16", "float16") else None
-    if dtype is None or (dtype == "float16" and chip.kind == "tpu"):
-        return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring"
+            return ring, f"no cost figures for device kind {kind!r} (ringjax.plan.CHIPS): the default, ring", runnable
+    if base.dtype not in ("bfloat16", "float16") or (base.dtype == "float16" and chip.kind == "tpu"):
+        return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring", runnable
     costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads, kv_heads=base.kv_heads,
-                                head_dim=base.head_dim, dtype=dtype, causal=base.opts.causal,
+                                head_dim=base.head_dim, dtype=base.dtype, causal=base.opts.causal,
                                 layout=base.opts.layout, batch=base.batch)
-    refused = []
-    for cost in sorted(costs, key=lambda c: c.total_s):
-        if not (cost.fits and math.isfinite(cost.total_s)):
+    names = {s.name for s in runnable}
+    for cost in costs:
+        if not (cost.fits and math.isfinite(cost.total_s)) and cost.strategy in names:
             refused.append(f"{cost.strategy}: {cost.note}")
-            continue
-        strategy = bind(cost.strategy, axis_name, sizes)
-        why = _refusal(strategy, base, implementation, op)
-        if why is not None:
-            refused.append(f"{cost.strategy}: {why}")
-            continue
-        others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
-                           if c is not cost and math.isfinite(c.total_s))
-        reason = (f"cost model on {n} x {chip.name}: {cost.total_s * 1e3:.3g} ms forward + backward"
-                  + (f" against {others}" if others else "") + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
-        return strategy, reason
-    return ring, "no other strategy can run: " + "; ".join(refused)
+            names.discard(cost.strategy)
+    runnable = [s for s in runnable if s.name in names]
+    ok = [c for c in costs if c.strategy in names]
+    if not ok:
+        return ring, "no strategy can run: " + "; ".join(refused), []
+    best = min(ok, key=lambda c: c.total_s)
+    others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
+                       if c is not best and math.isfinite(c.total_s))
+    reason = (f"cost model on {n} x {chip.name}: {best.total_s * 1e3:.3g} ms forward + backward"
+              + (f" against {others}" if others else "") + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
+    return bind(best.strategy, axis_name, sizes), reason, runnable
 
 
 def _refusal(strategy: Strategy, base: registry.Problem, implementation: str, op: str) -> str | None:

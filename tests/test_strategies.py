@@ -269,11 +269,11 @@ def test_auto_rules_out_what_cannot_run():
     from ringjax import plan, strategies
 
     # 6 heads do not split over 4 devices; a chip with little HBM cannot hold the gathered K/V
-    small = dataclasses.replace(plan.CHIPS["h200"], hbm_bytes=2**30)
-    base = _base(65536, 6, 6, layout="contiguous")
+    small = dataclasses.replace(plan.CHIPS["h200"], hbm_bytes=4 * 2**30)
+    base = _base(65536, 6, 6, layout="contiguous")  # 65536 tokens per device
     strategy, reason = strategies.decide(base, "sp", {"sp": 4}, chip=small)
     assert strategy.name == "ring"
-    assert "ulysses: heads (6) not divisible by 4 devices" in reason
+    assert "ulysses: strategy='ulysses' needs the query heads (6 per device) divisible" in reason
     assert "all_gather: needs" in reason and "over the memory budget" in reason
     # masks that bound a query's reach keep the ring, which skips the shards out of reach
     strategy, reason = strategies.decide(_base(8192, 32, 8, window=128), "sp", {"sp": 4}, chip=small)
@@ -337,3 +337,28 @@ def test_layers_take_strategy():
     assert LinenMultiHeadAttention(4, strategy="ulysses").layer_config(16).strategy == "ulysses"
     with pytest.raises(TypeError, match="hybrid"):
         EqxAttention(16, 4, axis_name="sp", strategy="hybrid", key=jax.random.key(0))
+
+
+def test_auto_measures_with_tuning_on(caplog):
+    """autotune="on": the strategies are timed on the devices, the fastest runs and is remembered."""
+    import logging
+
+    from ringjax import autotuning
+
+    x = make_inputs(23, seq=64, heads=4, kv_heads=2)
+    mesh = _mesh((4,))
+    q, k, v = (jax.device_put(jnp.asarray(x[n]), NamedSharding(mesh, P(None, "sp"))) for n in ("q", "k", "v"))
+    autotuning.clear_memory_cache()
+    with caplog.at_level(logging.DEBUG, logger="ringjax.strategy"):
+        out = ringjax.ring_attention(q, k, v, axis_name="sp", mesh=mesh, causal=True, strategy="auto",
+                                     autotune="on", implementation="xla")
+        again = ringjax.ring_attention(q, k, v, axis_name="sp", mesh=mesh, causal=True, strategy="auto",
+                                       autotune="cached", implementation="xla")
+    np.testing.assert_allclose(np.asarray(out), reference_for(x, causal=True)["out"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-6, atol=1e-6)
+    chosen = [r.getMessage() for r in caplog.records if r.name == "ringjax.strategy"]
+    assert len(chosen) == 2, chosen
+    first, second = chosen
+    assert "measured fastest (autotuned: ring " in first and " all_gather " in first and " ulysses " in first
+    assert "measured fastest (memory)" in second
+    assert first.split(" chose ")[1].split(":")[0] == second.split(" chose ")[1].split(":")[0]
