@@ -459,12 +459,20 @@ def _cost(name, fwd, bwd, comm, memory, budget, note) -> StrategyCost:
     return StrategyCost(name, fwd, bwd, comm, memory, fits, note)
 
 
-def best_strategy(costs) -> StrategyCost:
-    """The fastest (forward + backward) strategy that fits; ring if none does."""
+# the model cannot tell strategies apart by less than this: the ring (least memory, no
+# collective outside the overlap) is kept unless another is predicted faster by more
+TIE_TOLERANCE = 0.05
+
+
+def best_strategy(costs, tolerance: float = TIE_TOLERANCE) -> StrategyCost:
+    """The fastest (forward + backward) strategy that fits, the ring unless another is faster by more
+    than `tolerance`; the ring if none fits."""
+    ring = next(c for c in costs if c.strategy == "ring")
     ok = [c for c in costs if c.fits and math.isfinite(c.total_s)]
     if not ok:
-        return next(c for c in costs if c.strategy == "ring")
-    return min(ok, key=lambda c: c.total_s)
+        return ring
+    best = min(ok, key=lambda c: c.total_s)
+    return ring if ring in ok and ring.total_s <= best.total_s * (1 + tolerance) else best
 
 
 def chip_for(device_kind: str) -> Chip | None:

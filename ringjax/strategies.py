@@ -226,11 +226,14 @@ def _decide(base, axis_name, sizes, implementation, op, chip):
     ok = [c for c in costs if c.strategy in names]
     if not ok:
         return ring, "no strategy can run: " + "; ".join(refused), []
-    best = min(ok, key=lambda c: c.total_s)
+    best = plan.best_strategy(ok)
     others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
                        if c is not best and math.isfinite(c.total_s))
+    tie = min(ok, key=lambda c: c.total_s) is not best
     reason = (f"cost model on {n} x {chip.name}: {best.total_s * 1e3:.3g} ms forward + backward"
-              + (f" against {others}" if others else "") + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
+              + (f" against {others}" if others else "")
+              + (f" (within {plan.TIE_TOLERANCE:.0%}: the ring is kept)" if tie else "")
+              + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
     return bind(best.strategy, axis_name, sizes), reason, runnable
 
 
