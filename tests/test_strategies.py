@@ -126,15 +126,6 @@ def test_features(strategy, feature, shape, layout, mode):
     _check(x, shape, strategy, layout, mode, **kw)
 
 
-@pytest.mark.parametrize("strategy", sorted(SHAPES))
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layouts_causal(strategy, layout):
-    shape = SHAPES[strategy][LAYOUTS.index(layout) % len(SHAPES[strategy])]
-    x = make_inputs(7 + LAYOUTS.index(layout), seq=48 if len(shape) == 1 and shape[0] != 8 else 32,
-                    heads=4 if shape != (8,) else 8, kv_heads=2, sinks=True)
-    _check(x, shape, strategy, layout, ("global", "shard_map")[LAYOUTS.index(layout) % 2], causal=True)
-
-
 ON_GPU = jax.default_backend() == "gpu"
 
 
@@ -151,6 +142,25 @@ def test_pallas_gpu_kernels(strategy, shape, layout, xkw, kw):
     x = make_inputs(41 + len(shape), seq=64 * len(shape), **xkw)
     _check(x, shape, strategy, layout, "global", implementation="pallas_gpu" if ON_GPU else "pallas_gpu_interpret",
            config=config, **kw)
+
+
+@pytest.mark.parametrize("strategy, shape, layout, fused", [
+    ("all_gather", (2,), "zigzag", False),
+    ("ulysses", (2,), "striped", True),  # no ring axis left: the fused ring falls back to the block kernels
+    ("hybrid", (2, 2), "contiguous", True),  # the fused ring kernel over subshards
+])
+def test_pallas_tpu_kernels(strategy, shape, layout, fused):
+    """The TPU kernels under each strategy, in the Pallas TPU interpreter."""
+    pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
+    from ringjax.pallas.tpu import TpuConfig
+    from ringjax.pallas.tpu.block import reset_interpreter
+
+    reset_interpreter()
+    x = make_inputs(43 + len(shape), seq=32 * len(shape), batch=1, heads=4, kv_heads=2, sinks=True,
+                    segments="random")
+    _check(x, shape, strategy, layout, "global", implementation="pallas_tpu_interpret",
+           config=TpuConfig(block_q=8, block_kv=8, fused=fused, interpret=True), causal=True)
+    reset_interpreter()
 
 
 # ---------------------------------------------------------------------------- what each strategy moves

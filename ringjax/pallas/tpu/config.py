@@ -18,7 +18,7 @@ DTYPES = ("float32", "bfloat16")
 # default (a feature added later) makes `refusal` refuse rather than ignore it.
 KNOWN_OPTIONS = frozenset(
     {"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name", "axis_size",
-     "has_segments", "has_sinks"}
+     "has_segments", "has_sinks", "gather_kv", "subshards"}
 )
 
 

@@ -67,7 +67,8 @@ def _tables(opts: AttentionOptions, tl: Tiling, t: int, shard, plan, q_seg, kv_s
     [N, B, nk, 1, bk].
     """
     n, nq, bq, nk, bk = opts.axis_size, tl.num_q, tl.block_q, tl.num_kv, tl.block_kv
-    pos_all = np.stack([local_positions(opts.layout, s, n, t, xp=np) for s in range(n)]).astype(np.int32)
+    pos_all = np.stack([local_positions(opts.layout, s, n, t, xp=np, subshards=opts.subshards)
+                        for s in range(n)]).astype(np.int32)
     q_pos = jnp.asarray(pos_all)[shard]
     seg_all = None
     if tl.has_segments:
