@@ -8,14 +8,13 @@ function and differ only in how they store weights.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ringjax.api import ring_attention
-from ringjax.options import LAYOUTS, _static_number, normalize_window
+from ringjax.options import AttentionOptions, _static_number, normalize_window
 from ringjax.rotary import apply_rotary, token_positions
 from ringjax.strategies import check_strategy
 
@@ -63,11 +62,12 @@ class AttentionLayerConfig:
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
         if not isinstance(self.use_sinks, bool):
             raise TypeError(f"use_sinks must be a bool, got {type(self.use_sinks).__name__}")
-        normalize_window(self.sliding_window, self.causal)
-        for name in ("logits_soft_cap", "softmax_scale"):
-            value = getattr(self, name)
-            if value is not None and not (_static_number(value, name, float) > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive finite float or None, got {value!r}")
+        # the attention options are checked by the one object that checks them for ring_attention
+        number = lambda name: None if getattr(self, name) is None else _static_number(getattr(self, name), name, float)
+        AttentionOptions(causal=self.causal, window=normalize_window(self.sliding_window, self.causal),
+                         softmax_scale=1.0 if self.softmax_scale is None else number("softmax_scale"),
+                         logits_soft_cap=number("logits_soft_cap"),
+                         layout=self.layout)
         if self.rope_base is not None:
             if not (_static_number(self.rope_base, "rope_base", float) > 0):
                 raise ValueError(f"rope_base must be positive or None, got {self.rope_base!r}")
@@ -77,8 +77,6 @@ class AttentionLayerConfig:
             raise TypeError(f"axis_name must be a str, a (head_axis, ring_axis) tuple or None, got "
                             f"{type(self.axis_name).__name__}")
         check_strategy(self.strategy, self.axis_name)
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.implementation, str):
             raise TypeError(f"implementation must be a str, got {type(self.implementation).__name__}")
 
