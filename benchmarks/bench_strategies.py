@@ -3,6 +3,9 @@
     python benchmarks/bench_strategies.py --out results/            # every visible GPU
     python benchmarks/bench_strategies.py --devices 2 --tokens 8192 --kv-heads 8 --modes fwd
 
+Every case compiles its own kernels; to stay within a 10-minute device call, run one
+--tokens value per call (and --layout contiguous as a second pass).
+
 For each tokens-per-GPU (default 8K and 32K) and head count (MHA 32/32 and GQA 32/8), bf16,
 batch 1, head_dim 128, causal (zigzag unless --layout): every strategy (ring, all_gather,
 ulysses, and hybrid with a 2 x N/2 mesh from 4 GPUs) forward and forward+backward, each
