@@ -16,6 +16,7 @@ import numpy as np
 from ringjax.api import ring_attention
 from ringjax.options import AttentionOptions, _static_number, normalize_window
 from ringjax.rotary import apply_rotary, token_positions
+from ringjax.strategies import check_strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,10 @@ class AttentionLayerConfig:
     softmax_scale: float | None = None
     use_sinks: bool = False
     rope_base: float | None = 10000.0  # None: no rotary embeddings
-    axis_name: str | None = "sp"
+    axis_name: str | tuple[str, str] | None = "sp"  # a (head_axis, ring_axis) pair with strategy="hybrid"
     layout: str = "contiguous"
     implementation: str = "auto"
+    strategy: str = "ring"  # see ringjax.ring_attention
 
     def __post_init__(self):
         for name in ("in_features", "num_heads"):
@@ -71,8 +73,10 @@ class AttentionLayerConfig:
                 raise ValueError(f"rope_base must be positive or None, got {self.rope_base!r}")
             if self.dim % 2:
                 raise ValueError(f"rotary embeddings need an even head_dim, got {self.dim}")
-        if self.axis_name is not None and not isinstance(self.axis_name, str):
-            raise TypeError(f"axis_name must be a str or None, got {type(self.axis_name).__name__}")
+        if self.axis_name is not None and not isinstance(self.axis_name, (str, tuple)):
+            raise TypeError(f"axis_name must be a str, a (head_axis, ring_axis) tuple or None, got "
+                            f"{type(self.axis_name).__name__}")
+        check_strategy(self.strategy, self.axis_name)
         if not isinstance(self.implementation, str):
             raise TypeError(f"implementation must be a str, got {type(self.implementation).__name__}")
 
@@ -181,5 +185,6 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         sinks=params.get("sinks"),
         layout=cfg.layout,
         implementation=cfg.implementation,
+        strategy=cfg.strategy,
     )
     return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype))

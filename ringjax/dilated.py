@@ -29,7 +29,7 @@ from ringjax.api import ring_attention
 from ringjax.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention_many
-from ringjax.options import check_inputs, make_options, shards_per_device
+from ringjax.options import check_inputs, chunks_per_shard, make_options
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def _check_layout(layout: str, branches, axis_size: int, local_len: int) -> None
                 f"dilated_attention with dilation rate {r} > 1 does not support layout 'striped' on a ring "
                 "(the dilated sub-sequences are not striped over the same shards); use 'contiguous' or 'zigzag'"
             )
-        chunk = local_len // shards_per_device(layout)
+        chunk = local_len // chunks_per_shard(layout)
         if chunk % r:
             what = "half the local sequence (zigzag chunk)" if layout == "zigzag" else "the local sequence length"
             raise ValueError(

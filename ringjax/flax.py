@@ -76,9 +76,10 @@ class LinenMultiHeadAttention(nn.Module):
     softmax_scale: float | None = None
     use_sinks: bool = False
     rope_base: float | None = 10000.0
-    axis_name: str | None = "sp"
+    axis_name: str | tuple[str, str] | None = "sp"
     layout: str = "contiguous"
     implementation: str = "auto"
+    strategy: str = "ring"
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 

@@ -40,6 +40,9 @@ class Extras(NamedTuple):
 
     alibi_slopes: jnp.ndarray | None = None  # [H] float32
     dropout_seed: jnp.ndarray | None = None  # [2] uint32
+    # [2] int32 (first head, heads in all) when the local heads are a slice of all heads (Ulysses):
+    # dropout then draws the mask of the global head index
+    head_slice: jnp.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +204,16 @@ def _fmix32(x):
     x *= jnp.uint32(0xC2B2AE35)
     x ^= x >> 16
     return x
+
+
+def dropout_batch_head(head_slice, batch_index, head_index, local_heads: int):
+    """The (batch, head) counter of the dropout hash: b * heads + h, in global head indices.
+
+    `batch_index` and `head_index` are local and broadcast; `head_slice` is `Extras.head_slice`.
+    """
+    if head_slice is None:
+        return batch_index * local_heads + head_index
+    return batch_index * head_slice[1] + head_slice[0] + head_index
 
 
 def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:

@@ -37,6 +37,11 @@ class AttentionOptions:
     has_alibi: bool = False
     dropout_rate: float = 0.0
     num_sink_tokens: int = 0
+    # K/V of the whole axis gathered once (the all_gather strategy) instead of travelling the ring
+    gather_kv: bool = False
+    # a device holds `subshards` layout shards of axis_size * subshards: shards i * axis_size + r
+    # (i < subshards), concatenated; what a Ulysses all-to-all over a major axis leaves (strategies.py)
+    subshards: int = 1
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -63,22 +68,25 @@ class AttentionOptions:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
+        if self.subshards < 1:
+            raise ValueError(f"subshards must be >= 1, got {self.subshards}")
 
     @property
     def shards_per_device(self) -> int:
-        """How many contiguous chunks of the global sequence one device holds."""
-        return shards_per_device(self.layout)
+        """How many separately placed runs (zigzag chunks, subshards) a device's tokens form; blocks never
+        straddle two."""
+        return chunks_per_shard(self.layout) * self.subshards
 
 
-def shards_per_device(layout: str) -> int:
-    """How many contiguous chunks of the global sequence one device holds under `layout` (zigzag: 2)."""
+def chunks_per_shard(layout: str) -> int:
+    """How many contiguous chunks of the global sequence one layout shard holds (zigzag: 2)."""
     return 2 if layout == "zigzag" else 1
 
 
 def sequence_chunks(layout: str, axis_size: int) -> int:
     """How many equal chunks `layout` cuts a global sequence into on `axis_size` devices:
     its length must be a multiple of this."""
-    return axis_size * shards_per_device(layout)
+    return axis_size * chunks_per_shard(layout)
 
 
 def _static_number(value: Any, name: str, kind: type) -> Any:
@@ -142,7 +150,7 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
         raise ValueError(f"q heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     chunks = sequence_chunks(layout, axis_size)
     if local:
-        if seq % shards_per_device(layout):
+        if seq % chunks_per_shard(layout):
             raise ValueError(f"zigzag layout needs an even local sequence length, got {seq}")
     elif seq % chunks:
         what = "2 x the axis size" if layout == "zigzag" else "the axis size"

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 from ringjax import calling
 from ringjax.api import ring_attention
 from ringjax.layouts import local_positions
-from ringjax.options import sequence_chunks, shards_per_device
+from ringjax.options import chunks_per_shard, sequence_chunks
 
 
 def _check_packed(x, name: str, parts: int, shape_text: str) -> None:
@@ -109,7 +109,7 @@ def ring_attention_varlen(
     local_len = q.shape[0]
     if mode == "local":
         total = local_len * axis_size
-        if local_len % shards_per_device(layout):
+        if local_len % chunks_per_shard(layout):
             raise ValueError(f"zigzag layout needs an even local sequence length, got {local_len}")
         pos = local_positions(layout, lax.axis_index(axis_name), axis_size, local_len)
     else:

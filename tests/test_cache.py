@@ -50,7 +50,8 @@ def test_key_holds_everything_that_changes_the_kernel():
     assert key["dtype"] == "float32" and key["axis_size"] == 4 and key["device_kind"] == "cpu"
     assert key["features"] == {"causal": True, "window": [8, 0], "has_segments": False, "logits_soft_cap": False,
                                "has_sinks": False, "layout": "zigzag", "gqa_ratio": 2, "chunk_size": None,
-                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0}
+                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0,
+                               "gather_kv": False, "subshards": 1}
     assert key["versions"] == {"jax": jax.__version__, "jaxlib": key["versions"]["jaxlib"],
                                "ringjax": ringjax.__version__, "schema": cache.SCHEMA_VERSION}
     base = _problem()
@@ -58,6 +59,7 @@ def test_key_holds_everything_that_changes_the_kernel():
         _problem(causal=True), _problem(window=(4, 4)), _problem(has_segments=True), _problem(logits_soft_cap=30.0),
         _problem(has_sinks=True), _problem(layout="striped"), _problem(axis_size=2, axis_name="sp"),
         _problem(chunk_size=16), _problem(has_alibi=True), _problem(dropout_rate=0.1), _problem(num_sink_tokens=4),
+        _problem(gather_kv=True), _problem(subshards=2),
         dataclasses.replace(base, kv_heads=4), dataclasses.replace(base, seq=64), dataclasses.replace(base, dtype="bfloat16"),
         dataclasses.replace(base, device_kind="TPU v5 lite"),
     ]

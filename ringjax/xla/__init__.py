@@ -11,7 +11,8 @@ from ringjax.xla.block import XlaConfig, block_bwd, block_fwd
 KERNEL = BlockKernel(name="xla", fwd=block_fwd, bwd=block_bwd)
 # every AttentionOptions field; one added later is refused until the XLA step implements it
 KNOWN_OPTIONS = frozenset({"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name", "axis_size",
-                           "has_segments", "has_sinks", "chunk_size", "has_alibi", "dropout_rate", "num_sink_tokens"})
+                           "has_segments", "has_sinks", "chunk_size", "has_alibi", "dropout_rate", "num_sink_tokens",
+                           "gather_kv", "subshards"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ringjax.masks import (
     Extras,
     TokenInfo,
     alibi_distance,
+    dropout_batch_head,
     dropout_keep,
     logits,
     logits_and_slope,
@@ -109,7 +110,7 @@ class _Tile:
         self.rate = opts.dropout_rate
         if self.rate:
             self.heads = jnp.arange(kv_heads * groups, dtype=jnp.int32).reshape(1, kv_heads, groups, 1, 1)
-            self.seed, self.qp, self.kp = extras.dropout_seed, qp, kp
+            self.seed, self.head_slice, self.qp, self.kp = extras.dropout_seed, extras.head_slice, qp, kp
 
     def logits(self, s):
         s = s if self.bias is None else s + self.bias
@@ -120,7 +121,8 @@ class _Tile:
         if not self.rate:
             return x
         b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
-        keep = dropout_keep(self.seed, self.rate, b * self.heads.size + self.heads, self.qp, self.kp)
+        batch_head = dropout_batch_head(self.head_slice, b, self.heads, self.heads.size)
+        keep = dropout_keep(self.seed, self.rate, batch_head, self.qp, self.kp)
         return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
 
 

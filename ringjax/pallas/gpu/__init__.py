@@ -19,7 +19,7 @@ from ringjax.ring import BlockKernel, ring_attention_shard
 DTYPES = ("bfloat16", "float16", "float32")
 # AttentionOptions fields these kernels implement; any other set away from its default is refused
 KNOWN_OPTIONS = frozenset({"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name",
-                           "axis_size", "has_segments", "has_sinks", "chunk_size"})
+                           "axis_size", "has_segments", "has_sinks", "chunk_size", "gather_kv", "subshards"})
 
 KERNEL = BlockKernel.without_extras("pallas_gpu", block_fwd, block_bwd, skips_empty_steps=True)
 

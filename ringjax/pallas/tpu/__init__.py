@@ -78,7 +78,8 @@ class TpuImplementation:
             raise ValueError(f"{self.name}: {config} needs about {need} bytes of VMEM with blocks {used.block_q} x "
                              f"{used.block_kv}, more than the {VMEM_BUDGET} a kernel gets; use smaller blocks or "
                              "leave config=None")
-        if config.fused:
+        # a device with no ring axis (axis_name=None, e.g. after a Ulysses all-to-all) has nothing to move
+        if config.fused and problem.opts.axis_name is not None:
             kernel = INTERPRETED_FUSED_KERNEL if config.interpret else FUSED_KERNEL
         else:
             kernel = INTERPRETED_KERNEL if config.interpret else KERNEL

@@ -21,7 +21,7 @@ VMEM_BUDGET = 16 << 20
 # AttentionOptions fields the TPU kernels implement; any other set away from its default is refused
 KNOWN_OPTIONS = frozenset(
     {"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name", "axis_size",
-     "has_segments", "has_sinks"}
+     "has_segments", "has_sinks", "gather_kv", "subshards"}
 )
 
 

@@ -53,7 +53,8 @@ def _tables(opts: AttentionOptions, tl: Tiling, shard, plan, q_seg, kv_seg):
     """(live, meta): whether each step's K/V may be seen at all (int32 [steps]), and the block ranges
     and mask tiles of every source shard, as `block.token_meta` stacks them."""
     n = opts.axis_size
-    pos_all = np.stack([local_positions(opts.layout, s, n, tl.q_len, xp=np) for s in range(n)]).astype(np.int32)
+    pos_all = np.stack([local_positions(opts.layout, s, n, tl.q_len, xp=np, subshards=opts.subshards)
+                        for s in range(n)]).astype(np.int32)
     seg_all = None
     if tl.has_segments:
         seg_all = lax.all_gather(kv_seg, opts.axis_name) if opts.axis_name is not None else kv_seg[None]
