@@ -136,13 +136,17 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
 PROJECTIONS = ("q", "k", "v", "o")
 
 
-def init_params(cfg: AttentionLayerConfig, keys, dtype) -> dict[str, jax.Array]:
-    """Initial parameters by name: the q, k, v, o projections (one key each, in that order from
-    `keys`) and, with use_sinks, sinks."""
+def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
+    """Initial parameters by name: the q, k, v, o projections and, with use_sinks, sinks.
+
+    `key` is a PRNG key, split once per projection, or a function giving a fresh key per
+    projection (an `nnx.Rngs` stream).
+    """
+    keys = [key() for _ in PROJECTIONS] if callable(key) else jax.random.split(key, len(PROJECTIONS))
     shapes = cfg.param_shapes()
-    params = {name: init_param(name, key, shapes[name], dtype) for name, key in zip(PROJECTIONS, keys)}
+    params = {name: init_param(name, k, shapes[name], param_dtype) for name, k in zip(PROJECTIONS, keys)}
     if cfg.use_sinks:
-        params["sinks"] = init_param("sinks", None, shapes["sinks"], dtype)
+        params["sinks"] = init_param("sinks", None, shapes["sinks"], param_dtype)
     return params
 
 

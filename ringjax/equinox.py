@@ -9,7 +9,6 @@ a batch, x [batch, seq, features] (the ring op is batched; no vmap needed).
 from __future__ import annotations
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -42,7 +41,7 @@ class MultiHeadAttention(eqx.Module):
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
         self.dtype = dtype
-        params = core.init_params(self.config, jax.random.split(key, len(core.PROJECTIONS)), param_dtype)
+        params = core.init_params(self.config, key, param_dtype)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (params[n] for n in core.PROJECTIONS)
         self.sinks = params.get("sinks")
 

@@ -40,7 +40,7 @@ class MultiHeadAttention(nnx.Module):
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
         self.dtype = dtype
-        params = core.init_params(self.config, [rngs.params() for _ in core.PROJECTIONS], param_dtype)
+        params = core.init_params(self.config, rngs.params, param_dtype)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nnx.Param(params[n]) for n in core.PROJECTIONS)
         self.sinks = nnx.Param(params["sinks"]) if "sinks" in params else None
 
