@@ -27,7 +27,7 @@ class MosaicGpuConfig:
     dq_block_kv: int = 64
     dq_num_stages: int = 2
     dkv_block_q: int = 64
-    dkv_num_stages: int = 2
+    dkv_num_stages: int = 3
     interpret: bool = False
 
     def __post_init__(self):

@@ -687,7 +687,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
         **_interpret(config),
     )(*args)
     (dq,) = _unify_with(args, dq)
-    if config.interpret:  # jax's GPU interpreter keeps one global state: never run two kernels at once
+    if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
         dq, q = lax.optimization_barrier((dq, q))
 
     # dK/dV: rows are key tiles of one KV head, (q, dO, lse, delta) blocks of its query heads stream
