@@ -262,6 +262,23 @@ def _grads(fb, q, k, v, do):
     return [np.asarray(g, np.float32) for g in fb(q, k, v, do)]
 
 
+def _jax_mgpu_fwd(rows, args, t, causal, q, k, v):
+    """JAX's own attention_mgpu forward (fp16: it rejects bf16 in jax 0.11.2), for parity."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+    q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
+    try:
+        fn = jax.jit(lambda q, k, v: am.attention(q, k, v, cfg))
+        ms = timeit(fn, q16, k16, v16, reps=args.reps) * 1e3
+    except Exception as e:  # noqa: BLE001
+        record(rows, part="mosaic", impl="jax attention_mgpu", T=t, gpus=1, causal=causal, mode="fwd",
+               note=f"failed: {type(e).__name__}: {str(e)[:300]}")
+        return
+    record(rows, part="mosaic", impl="jax attention_mgpu", T=t, gpus=1, causal=causal, mode="fwd", ms=round(ms, 3),
+           tflops=round(flops(t, causal, False) / ms / 1e9, 1), note="fp16, block_q 64, block_kv 128, 2 stages")
+
+
 def part_mosaic(rows, args, seqs):
     """One ring step on one GPU (axis_name=None): cuDNN, pallas_mosaic_gpu (each --mosaic-configs entry) and,
     with --with-triton, pallas_gpu; outputs and gradients compared with cuDNN's."""
@@ -275,6 +292,8 @@ def part_mosaic(rows, args, seqs):
             impls += [("pallas_mosaic_gpu", c, ringjax_attn(causal, "pallas_mosaic_gpu", c)) for c in mosaic]
             if args.with_triton:
                 impls.append(("pallas_gpu", None, ringjax_attn(causal, "pallas_gpu")))
+            if args.with_jax_mgpu:
+                _jax_mgpu_fwd(rows, args, t, causal, q, k, v)
             ref = ref_g = None
             for name, cfg, attn in impls:
                 note = "" if cfg is None else cfg.to_json()
@@ -455,6 +474,7 @@ def main():
     p.add_argument("--ideal-totals", default="16384,32768,65536,131072", help="total T for part 'ideal'")
     p.add_argument("--mosaic-configs", default="", help="part 'mosaic': extra MosaicGpuConfig JSONs, ';'-separated")
     p.add_argument("--with-triton", type=int, default=0, help="part 'mosaic': also time pallas_gpu")
+    p.add_argument("--with-jax-mgpu", type=int, default=0, help="part 'mosaic': also time JAX's attention_mgpu")
     p.add_argument("--prior", default="", help="comma-separated bench JSONs whose cuDNN rows serve as ideals")
     args = p.parse_args()
     parts = args.parts.split(",")

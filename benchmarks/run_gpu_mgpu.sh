@@ -25,10 +25,12 @@ print('smoke ok')
 echo "smoke rc=$?" >> $R/smoke.log
 grep -E "registers|spill|smoke|Error|error" $R/smoke.log | sort | uniq -c | head -20
 if grep -q "smoke rc=0" $R/smoke.log; then
-  timeout ${BENCH_S:-300} python3 benchmarks/bench_ring.py --parts mosaic --seqs ${SEQS:-8192,32768} --reps 5 \
-    --tag mgpu --out $R --mosaic-configs "${CFGS:-}" --with-triton ${TRITON:-0} > $R/bench.log 2>&1
+  timeout ${BENCH_S:-300} python3 benchmarks/bench_ring.py --parts mosaic --seqs ${SEQS:-8192,32768} \
+    --tag mgpu --out $R --mosaic-configs "${CFGS:-}" --with-triton ${TRITON:-0} \
+    --with-jax-mgpu ${JAX_MGPU:-0} --reps ${REPS:-5} > $R/bench.log 2>&1
   echo "bench rc=$?" >> $R/bench.log
 fi
-timeout ${TESTS_S:-150} python3 -m pytest tests/test_pallas_mosaic_gpu.py -q -p no:cacheprovider -x > $R/tests.log 2>&1
+timeout ${TESTS_S:-150} python3 -m pytest tests/test_pallas_mosaic_gpu.py -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
+  > $R/tests.log 2>&1
 echo "tests rc=$?" >> $R/tests.log
 tail -15 $R/tests.log; grep -h "^part=\|rc=" $R/bench.log 2>/dev/null

@@ -48,8 +48,9 @@ from ringjax.pallas.mosaic_gpu.visits import block_starts, range_table
 _LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _EPI = 32  # float32 columns per epilogue chunk: one 128-byte swizzled row
-_PRODUCER_REGS = 40
-_CONSUMER_REGS = 232
+# per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
+# threads starts with 168 each); the dK/dV consumer holds two accumulators and gets the most
+_REGS = {"fwd": (232, 40), "dq": (232, 40), "dkv": (240, 24)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +251,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
 
     @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+        plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
         tile = jnp.where(wg == 0, tiles[0][0], tiles[1][0])
         head = jnp.where(wg == 0, heads[0], heads[1])
         my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
@@ -324,7 +325,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+        plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
         kvh = lax.div(heads[0], jnp.int32(groups))
 
         @pl.loop(0, n)
@@ -454,7 +455,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
 
     @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+        plgpu.set_max_registers(_REGS["dq"][0], action="increase")
         tile = jnp.where(wg == 0, tiles[0][0], tiles[1][0])
         head = jnp.where(wg == 0, heads[0], heads[1])
         my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
@@ -513,7 +514,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+        plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
         kvh = lax.div(heads[0], jnp.int32(groups))
 
         @pl.loop(0, n)
@@ -557,7 +558,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
 
     @pl.when(wg < 2)
     def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGS, action="increase")
+        plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
         tile = jnp.where(wg == 0, tiles[0], tiles[1])
         my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
         k0 = tile * ROWS
@@ -622,7 +623,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
 
     @pl.when(wg == 2)
     def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGS, action="decrease")
+        plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
 
         @pl.loop(0, groups * n)
         def _(i):
