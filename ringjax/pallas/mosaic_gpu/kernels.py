@@ -193,14 +193,19 @@ def _mma_fresh(shape, a, b, *, transpose_b: bool = False, between=None, emulate:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def _mma(accs, terms, emulate: bool = False):
+def _mma(accs, terms, emulate: bool = False, between=None):
     """[acc + a @ b (b^T) for each acc and (a, b, transpose_b)], issued together, awaited once."""
     if emulate:
-        return [acc + _dot(_operand(a), b[...], tb) for acc, (a, b, tb) in zip(accs, terms)]
+        out = [acc + _dot(_operand(a), b[...], tb) for acc, (a, b, tb) in zip(accs, terms)]
+        if between is not None:
+            between()
+        return out
 
     def body(refs):
         for ref, (a, b, tb) in zip(refs, terms):
             plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
+        if between is not None:
+            between()
 
     return list(pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
@@ -265,10 +270,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         plgpu.barrier_wait(q_bar.at[wg])
 
+        end = lo + n
+
+        def wait_next_k(blk):
+            """Wait for the K of the step after `blk` (consumers wait for each K once, in order)."""
+
+            @pl.when(blk + 1 < end)
+            def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(blk + 1 - lo, jnp.int32(stages))])
+
         def step(blk, carry, kind):
             acc, m, l = carry
             slot = lax.rem(blk - lo, jnp.int32(stages))
-            plgpu.barrier_wait(k_bar.at[slot])
             if kind == "skip":
                 schedule()
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -276,13 +289,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
                 plgpu.barrier_arrive(v_free.at[slot])
+                wait_next_k(blk)
                 return carry
 
             # the other consumer's softmax runs while this matmul does
             s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
                            emulate=emulate)
             plgpu.barrier_arrive(k_free.at[slot])
-            s, _ = _logits2(s, opts)
+            # base-2 logits; without a soft cap the scale stays out of the max and joins exp2 as one FMA
+            scale = opts.softmax_scale * _LOG2E if opts.logits_soft_cap is None else 1.0
+            if opts.logits_soft_cap is not None:
+                s, _ = _logits2(s, opts)
             if kind == "masked":
                 kseg = None
                 if has_seg:
@@ -291,11 +308,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                     kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
                 vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
                 s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
+            m_new = jnp.maximum(m, s.max(axis=1) * scale)
             # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
             alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
             p16 = p.astype(q_ref.dtype)
@@ -304,7 +321,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
 
-            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate)
+            # the next K's barrier is awaited while this matmul runs
+            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(blk))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l
 
@@ -312,6 +330,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                                                      plgpu.Layout.WGMMA.reduce(1)),
                 _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
         pl.when(wg == 1)(schedule)
+
+        @pl.when(n > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
         acc, m, l = _walk_tile(lo, n, my, step, init)
         pl.when(wg == 0)(schedule)
 
