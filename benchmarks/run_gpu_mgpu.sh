@@ -29,8 +29,13 @@ if grep -q "smoke rc=0" $R/smoke.log; then
     --tag mgpu --out $R --mosaic-configs "${CFGS:-}" --with-triton ${TRITON:-0} \
     --with-jax-mgpu ${JAX_MGPU:-0} --reps ${REPS:-5} > $R/bench.log 2>&1
   echo "bench rc=$?" >> $R/bench.log
+  if [ -n "${PARTS:-}" ]; then
+    timeout ${PARTS_S:-120} python3 benchmarks/mgpu_parts.py --seqs ${SEQS:-8192,32768} --configs "${CFGS:-}" \
+      > $R/parts.log 2>&1
+    echo "parts rc=$?" >> $R/parts.log
+  fi
 fi
 timeout ${TESTS_S:-150} python3 -m pytest tests/test_pallas_mosaic_gpu.py -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
   > $R/tests.log 2>&1
 echo "tests rc=$?" >> $R/tests.log
-tail -15 $R/tests.log; grep -h "^part=\|rc=" $R/bench.log 2>/dev/null
+tail -15 $R/tests.log; grep -h "^part=\|^parts\|rc=" $R/bench.log $R/parts.log 2>/dev/null

@@ -66,7 +66,8 @@ def _step_reference(q, k, v, do, mask, scale, cap):
     return dict(out=out, lse=lse, delta=delta, dq=np.einsum("bhts,bshd->bthd", ds, kr), dk=dk, dv=dv)
 
 
-def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None, **kw):
+def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
+                config=SMALL, **kw):
     """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys)."""
     from ringjax.pallas.mosaic_gpu.kernels import block_bwd, block_fwd
 
@@ -87,9 +88,9 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap)
     qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]))
     ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]))
-    out, lse = block_fwd(q, k, v, qi, ki, opts, SMALL)
+    out, lse = block_fwd(q, k, v, qi, ki, opts, config)
     dq, dk, dv = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32),
-                           qi, ki, opts, SMALL)
+                           qi, ki, opts, config)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
     for name in ("out", "dq", "dk", "dv"):
@@ -133,6 +134,15 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     segments = _docs(batch, local * n) if kw.pop("segments", False) else None
     heads, kv_heads = (4, 2) if head_dim == 64 or src % 2 else (6, 3)  # 6/3: odd groups pair row tiles
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
+
+
+@needs_kernels
+def test_step_with_row_tile_pairing_under_gqa():
+    """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
+    import dataclasses
+
+    config = dataclasses.replace(SMALL, pair_heads=False)
+    _check_step("zigzag", 2, 1, 0, 256, "bfloat16", 64, 4, 2, config=config, causal=True)
 
 
 # --------------------------------------------------------------------------- the ring (compiled only)
@@ -193,7 +203,7 @@ def _problem(**kw):
     (dict(opts=AttentionOptions(chunk_size=8, has_segments=True)), "per-document chunks"),
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
-    (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the query heads per KV head"),
+    (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the two consumers"),
 ])
 def test_refusals_name_the_reason(kw, match):
     why = IMPLEMENTATION.supports(_problem(**kw))

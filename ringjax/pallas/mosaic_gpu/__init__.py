@@ -106,11 +106,11 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     what = "half the per-device sequence (zigzag)" if opts.shards_per_device == 2 else "the per-device sequence"
     if unit % ROWS:
         return f"{what} is {unit}: must be a multiple of {ROWS}"
-    # the two consumers of a block take two heads of one group, else two row tiles
-    if problem.seq % (2 * ROWS) and problem.gqa_ratio % 2:
-        return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the query heads "
-                f"per KV head ({problem.gqa_ratio}) are odd")
     config = config or default_config(problem)
+    # the two consumers of a block take two heads of one group, else two row tiles
+    if problem.seq % (2 * ROWS) and (problem.gqa_ratio % 2 or not config.pair_heads):
+        return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two consumers "
+                f"of a block take two row tiles (query heads per KV head: {problem.gqa_ratio})")
     for kernel, size in config.smem_bytes(problem.head_dim, 2, opts.has_segments).items():
         if size > SMEM_LIMIT - 1024:
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "

@@ -17,7 +17,9 @@ class MosaicGpuConfig:
     Each kernel runs two consumer warpgroups of 64 query (or key) rows and one producer
     warpgroup that streams the other operand's tiles through `*_stages` shared-memory slots:
     `block_kv` keys per forward step, `dq_block_kv` keys per dQ step, `dkv_block_q` queries
-    per dK/dV step. `interpret=True` runs the same kernels in jax's GPU interpreter on any
+    per dK/dV step. `pair_heads`: with an even GQA group the two consumers of a forward or
+    dQ block take two query heads on the same rows (one K/V tile, one mask); otherwise, and
+    always without GQA, two adjacent row tiles of one head. `interpret=True` runs the same kernels in jax's GPU interpreter on any
     platform, with the block matmuls as jnp.dot: for eager per-step tests on CPU (slow; under
     jit, the interpreter can stall on hosts with few cores).
     """
@@ -28,6 +30,7 @@ class MosaicGpuConfig:
     dq_num_stages: int = 2
     dkv_block_q: int = 64
     dkv_num_stages: int = 3
+    pair_heads: bool = True
     interpret: bool = False
 
     def __post_init__(self):
@@ -39,8 +42,9 @@ class MosaicGpuConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 6:
                 raise ValueError(f"MosaicGpuConfig.{name} must be an int in [2, 6], got {value!r}")
-        if not isinstance(self.interpret, bool):
-            raise TypeError(f"MosaicGpuConfig.interpret must be a bool, got {type(self.interpret).__name__}")
+        for name in ("pair_heads", "interpret"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MosaicGpuConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> dict[str, int]:
         """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
-from ringjax.masks import TokenInfo, visible_pairs
+from ringjax.masks import TokenInfo, may_skip, visible_pairs
 from ringjax.options import AttentionOptions
 from ringjax.pallas.mosaic_gpu.config import ROWS, MosaicGpuConfig
 from ringjax.pallas.mosaic_gpu.visits import block_starts, range_table
@@ -124,8 +124,10 @@ def _union(b0, b1):
     return lo, jnp.maximum(hi - lo, 0)
 
 
-def _walk_tile(lo, n, bounds, body, carry):
+def _walk_tile(lo, n, bounds, body, carry, ranged: bool = True):
     """carry = body(block, carry, kind) over blocks [lo, lo + n); kind: "skip", "masked" or "full"."""
+    if not ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
+        return lax.fori_loop(lo, lo + n, functools.partial(_with_kind, body, "full"), carry)
     tlo, flo, fhi, thi = (jnp.clip(x, lo, lo + n) for x in bounds)
     thi = jnp.maximum(thi, tlo)
     for start, stop, kind in ((lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
@@ -335,7 +337,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
-        acc, m, l = _walk_tile(lo, n, my, step, init)
+        acc, m, l = _walk_tile(lo, n, my, step, init, walk.ranged)
         pl.when(wg == 0)(schedule)
 
         seen = l > 0.0
@@ -371,13 +373,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
         _drain(n, stages, k_free, v_free)
 
 
-def _walk_for(opts: AttentionOptions, t: int, s: int, rows: int, block: int, stages: int, groups: int, *,
-              transpose: bool) -> _Walk:
-    """Pairing and strides of one launch: `rows` row tiles (64 each) against `s // block` blocks."""
+def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
+              pair_heads: bool = True) -> _Walk:
+    """Pairing and strides of one launch: `t // 64` row tiles against `s // block` streamed blocks."""
     stride = opts.axis_size if opts.layout == "striped" else 1
-    from ringjax.masks import may_skip
-
-    pair_heads = not transpose and groups % 2 == 0
+    pair_heads = pair_heads and not transpose and groups % 2 == 0
     n_tiles = t // ROWS
     return _Walk(block=block, n_blocks=s // block, stages=stages, ranged=may_skip(opts), pair_heads=pair_heads,
                  heaviest_last=opts.causal and not transpose, row_stride=stride, col_stride=stride,
@@ -398,7 +398,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bk = _fit(s, opts, config.block_kv)
-    walk = _walk_for(opts, t, s, t // ROWS, bk, config.num_stages, g, transpose=False)
+    walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads)
     has_seg = q_info.seg is not None
     rng = range_table(opts, q_info, k_info, ROWS, bk)
     if rng is None:
@@ -530,7 +530,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
             plgpu.barrier_arrive(k_free.at[slot])
             return dq
 
-        dq = _walk_tile(lo, n, my, step, _zeros((ROWS, d)))
+        dq = _walk_tile(lo, n, my, step, _zeros((ROWS, d)), walk.ranged)
         dq = dq * opts.softmax_scale
         _write_rows(dq, o_smem, wg, dq_ref.at[rows])
         plgpu.wait_smem_to_gmem(0)
@@ -636,7 +636,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            return _walk_tile(lo, n, my, step, carry)
+            return _walk_tile(lo, n, my, step, carry, walk.ranged)
 
         dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, d)), _zeros((ROWS, d))))
         dk = dk * opts.softmax_scale
@@ -680,10 +680,19 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
     segs = [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if has_seg else []
+    dq = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
+    if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
+        dq, q = lax.optimization_barrier((dq, q))
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
+    return dq, dk, dv
 
-    # dQ: rows are query tiles, K/V blocks stream
+
+def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
+    """dQ: rows are query tiles, K/V blocks stream."""
+    b, t, h, d = q.shape
+    s, g, has_seg, dt = k.shape[1], h // k.shape[2], bool(segs), q.dtype
     bk = _fit(s, opts, config.dq_block_kv)
-    walk = _walk_for(opts, t, s, t // ROWS, bk, config.dq_num_stages, g, transpose=False)
+    walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads)
     rng = range_table(opts, q_info, k_info, ROWS, bk)
     rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *segs])
@@ -711,12 +720,17 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
         **_interpret(config),
     )(*args)
     (dq,) = _unify_with(args, dq)
-    if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
-        dq, q = lax.optimization_barrier((dq, q))
+    return dq
 
-    # dK/dV: rows are key tiles of one KV head, (q, dO, lse, delta) blocks of its query heads stream
+
+def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
+    """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream."""
+    b, t, h, d = q.shape
+    s, kvh, has_seg, dt = k.shape[1], k.shape[2], bool(segs), q.dtype
+    g = h // kvh
+    tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
     bq = _fit(t, opts, config.dkv_block_q)
-    walk = _walk_for(opts, s, t, s // ROWS, bq, config.dkv_num_stages, g, transpose=True)
+    walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True)
     rng = range_table(opts, k_info, q_info, ROWS, bq, transpose=True)
     rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS), *segs])
@@ -741,4 +755,4 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
         compiler_params=_compiler_params(),
         **_interpret(config),
     )(*args)
-    return (dq, *_unify_with(args, dk, dv))
+    return _unify_with(args, dk, dv)
