@@ -1,6 +1,7 @@
 """Side-by-side GPU benchmark: ringjax kernels vs cuDNN, the ring on 1/2/4 GPUs, ppermute bandwidth.
 
     python benchmarks/bench_ring.py --parts single,ring,million,ppermute --out results/
+    python benchmarks/bench_ring.py --parts mosaic --seqs 8192,32768   # Mosaic GPU step vs cuDNN
 
 bf16, batch 1, 32 query heads, 8 KV heads, head_dim 128. TFLOP/s counts 4*B*H*T*T*D for the
 forward (half when causal) and 3.5x that for forward+backward; median of --reps timed runs after
@@ -257,6 +258,66 @@ def part_single(rows, args, cfg, seqs):
                 del fwd, fb, out
 
 
+def _grads(fb, q, k, v, do):
+    return [np.asarray(g, np.float32) for g in fb(q, k, v, do)]
+
+
+def _jax_mgpu_fwd(rows, args, t, causal, q, k, v):
+    """JAX's own attention_mgpu forward (fp16: it rejects bf16 in jax 0.11.2), for parity."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+    cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal)
+    q16, k16, v16 = (x.astype(jnp.float16) for x in (q, k, v))
+    try:
+        fn = jax.jit(lambda q, k, v: am.attention(q, k, v, cfg))
+        ms = timeit(fn, q16, k16, v16, reps=args.reps) * 1e3
+    except Exception as e:  # noqa: BLE001
+        record(rows, part="mosaic", impl="jax attention_mgpu", T=t, gpus=1, causal=causal, mode="fwd",
+               note=f"failed: {type(e).__name__}: {str(e)[:300]}")
+        return
+    record(rows, part="mosaic", impl="jax attention_mgpu", T=t, gpus=1, causal=causal, mode="fwd", ms=round(ms, 3),
+           tflops=round(flops(t, causal, False) / ms / 1e9, 1), note="fp16, block_q 64, block_kv 128, 2 stages")
+
+
+def part_mosaic(rows, args, seqs):
+    """One ring step on one GPU (axis_name=None): cuDNN, pallas_mosaic_gpu (each --mosaic-configs entry) and,
+    with --with-triton, pallas_gpu; outputs and gradients compared with cuDNN's."""
+    from ringjax.pallas.mosaic_gpu import MosaicGpuConfig
+
+    mosaic = [None] + [MosaicGpuConfig.from_json(c) for c in filter(None, args.mosaic_configs.split(";"))]
+    for t in seqs:
+        q, k, v, do = inputs(t)
+        for causal in (True, False):
+            impls = [("cudnn", None, cudnn_attn(causal))]
+            impls += [("pallas_mosaic_gpu", c, ringjax_attn(causal, "pallas_mosaic_gpu", c)) for c in mosaic]
+            if args.with_triton:
+                impls.append(("pallas_gpu", None, ringjax_attn(causal, "pallas_gpu")))
+            if args.with_jax_mgpu:
+                _jax_mgpu_fwd(rows, args, t, causal, q, k, v)
+            ref = ref_g = None
+            for name, cfg, attn in impls:
+                note = "" if cfg is None else cfg.to_json()
+                fwd, fb = make_fns(attn)
+                try:
+                    out = fwd(q, k, v)
+                    grads = _grads(fb, q, k, v, do)
+                except Exception as e:  # noqa: BLE001 - a failing implementation is recorded, the rest go on
+                    record(rows, part="mosaic", impl=name, T=t, gpus=1, causal=causal,
+                           note=f"{note} failed: {type(e).__name__}: {str(e)[:600]}")
+                    continue
+                if ref is None:
+                    ref, ref_g = out, grads
+                else:
+                    errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(grads, ref_g)]
+                    note += " rel err vs cudnn out/dq/dk/dv " + "/".join(f"{e:.1e}" for e in errs)
+                for mode, fn, a in (("fwd", fwd, (q, k, v)), ("fwd+bwd", fb, (q, k, v, do))):
+                    ms = timeit(fn, *a, reps=args.reps) * 1e3
+                    record(rows, part="mosaic", impl=name, T=t, gpus=1, causal=causal, mode=mode, ms=round(ms, 3),
+                           tflops=round(flops(t, causal, mode != "fwd") / ms / 1e9, 1), note=note)
+                del fwd, fb, out, grads
+        del q, k, v, do
+
+
 def cudnn_tflops(rows, args, t, causal, mode, cache):
     """cuDNN single-GPU throughput on the same total work (measured once per shape)."""
     key = (t, causal, mode)
@@ -411,6 +472,9 @@ def main():
     p.add_argument("--layouts", default="zigzag,contiguous", help="ring layouts for part 'ring'")
     p.add_argument("--with-xla", type=int, default=1, help="also time the XLA ring (0: skip)")
     p.add_argument("--ideal-totals", default="16384,32768,65536,131072", help="total T for part 'ideal'")
+    p.add_argument("--mosaic-configs", default="", help="part 'mosaic': extra MosaicGpuConfig JSONs, ';'-separated")
+    p.add_argument("--with-triton", type=int, default=0, help="part 'mosaic': also time pallas_gpu")
+    p.add_argument("--with-jax-mgpu", type=int, default=0, help="part 'mosaic': also time JAX's attention_mgpu")
     p.add_argument("--prior", default="", help="comma-separated bench JSONs whose cuDNN rows serve as ideals")
     args = p.parse_args()
     parts = args.parts.split(",")
@@ -451,6 +515,8 @@ def main():
         part_sweep32(rows, args)
     if "ppchain" in parts:
         part_ppchain(rows, args)
+    if "mosaic" in parts:
+        part_mosaic(rows, args, seqs)
     if "single" in parts:
         part_single(rows, args, cfg, seqs)
     if "ring" in parts:

@@ -261,6 +261,11 @@ register(
     target="ringjax.pallas.gpu:INTERPRET_IMPLEMENTATION",
     auto=False,
 )
+# Hopper (sm90+) kernels through Pallas Mosaic GPU; its supports() refuses older GPUs, which get pallas_gpu
+register(
+    "ring_attention", "pallas_mosaic_gpu", platforms=("gpu",), priority=15,
+    target="ringjax.pallas.mosaic_gpu:IMPLEMENTATION",
+)
 register("ring_attention", "pallas_tpu", platforms=("tpu",), priority=20, target="ringjax.pallas.tpu:IMPLEMENTATION")
 # the same TPU kernels run by the Pallas TPU interpreter on CPU: for tests, never chosen by "auto"
 register(

@@ -1,0 +1,297 @@
+"""The Pallas Mosaic GPU (Hopper) ring step against the float64 reference.
+
+On an sm90+ GPU the kernels run compiled: the ring through the harness, and single ring steps
+on every layout's positions. On CPU the same step kernels run eagerly in jax's GPU interpreter
+(TMA copies, barriers, the producer/consumer walk, masks and softmax; block matmuls as
+jnp.dot), and a lowering test checks that they lower to Mosaic GPU for CUDA.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ringjax
+from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
+from reference import mask_reference
+from ringjax import registry
+from ringjax.layouts import local_positions
+from ringjax.masks import TokenInfo
+from ringjax.options import AttentionOptions
+from ringjax.pallas.mosaic_gpu import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
+
+
+def _hopper() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return int(str(cc).split(".")[0]) >= 9
+
+
+ON_HOPPER = _hopper()
+_WHY_NOT = None if ON_HOPPER else interpreter_refusal()
+needs_kernels = pytest.mark.skipif(_WHY_NOT is not None, reason=f"the Mosaic GPU kernels cannot run here: {_WHY_NOT}")
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90+ GPU (the ring under jit; on CPU only "
+                                 "eager single steps run in the interpreter)")
+# smallest blocks, so small shards still walk several blocks per step
+SMALL = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, interpret=not ON_HOPPER)
+
+
+# --------------------------------------------------------------------------- one ring step
+
+
+def _step_reference(q, k, v, do, mask, scale, cap):
+    """out, lse and (fed that lse) dq, dk, dv of one step in float64; mask [B or 1, T, S]."""
+    q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+    g = q.shape[2] // k.shape[2]
+    kr, vr = np.repeat(k, g, 2), np.repeat(v, g, 2)
+    s = np.einsum("bthd,bshd->bhts", q, kr) * scale
+    slope = scale
+    if cap is not None:
+        t = np.tanh(s / cap)
+        s, slope = cap * t, scale * (1 - t * t)
+    s = np.where(mask[:, None], s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    p = p / np.where(l > 0, l, 1.0)
+    out = np.einsum("bhts,bshd->bthd", p, vr)
+    lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -np.inf)
+    delta = np.einsum("bthd,bthd->bht", do, out)
+    ds = p * (np.einsum("bthd,bshd->bhts", do, vr) - delta[..., None]) * slope
+    b, sk, kvh, d = k.shape
+    dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(b, sk, kvh, g, d).sum(3)
+    dv = np.einsum("bhts,bthd->bshd", p, do).reshape(b, sk, kvh, g, d).sum(3)
+    return dict(out=out, lse=lse, delta=delta, dq=np.einsum("bhts,bshd->bthd", ds, kr), dk=dk, dv=dv)
+
+
+def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
+                config=SMALL, **kw):
+    """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys)."""
+    from ringjax.pallas.mosaic_gpu.kernels import block_bwd, block_fwd
+
+    total = local * n
+    kw.setdefault("softmax_scale", head_dim ** -0.5)
+    rng = np.random.default_rng(shard * 7 + src)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    q = cast(rng.standard_normal((batch, local, heads, head_dim)))
+    k, v = (cast(rng.standard_normal((batch, local, kv_heads, head_dim))) for _ in range(2))
+    do = cast(rng.standard_normal((batch, local, heads, head_dim)))
+    qpos, kpos = (local_positions(layout, r, n, local, xp=np) for r in (shard, src))
+    seg = None
+    if segments is not None:
+        seg = np.asarray(segments, np.int32)
+    mask = mask_reference(total, causal=kw.get("causal", False), window=kw.get("window"),
+                          segment_ids=seg, chunk_size=kw.get("chunk_size"))[:, qpos][:, :, kpos]
+    opts = AttentionOptions(layout=layout, axis_size=n, has_segments=seg is not None, **kw)
+    ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap)
+    qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]))
+    ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]))
+    out, lse = block_fwd(q, k, v, qi, ki, opts, config)
+    dq, dk, dv = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32),
+                           qi, ki, opts, config)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+    assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
+    for name in ("out", "dq", "dk", "dv"):
+        assert np.isfinite(np.asarray(got[name])).all(), f"{name} is not finite"
+    tol = {"bfloat16": 1e-2, "float16": 2e-3}[dtype]
+    for name, limit in (("out", tol), ("lse", tol), ("dq", 2 * tol), ("dk", 2 * tol), ("dv", 2 * tol)):
+        err = rel_err(got[name], ref[name])
+        assert err < limit, f"{name}: relative error {err:.2e} exceeds {limit:.0e}"
+
+
+def _docs(batch, total):
+    """Packed documents crossing block boundaries, with padding (-1) at the end of row 0."""
+    seg = np.zeros((batch, total), np.int32)
+    for b in range(batch):
+        cuts = np.sort(np.random.default_rng(b).choice(np.arange(1, total), 4, replace=False))
+        seg[b] = np.searchsorted(cuts, np.arange(total), side="right")
+    seg[0, -37:] = -1
+    return seg
+
+
+# (layout, ring size, query shard, key shard, local length, dtype, step kwargs); CPU runs these through
+# the interpreter at head_dim 64, a GPU at 64 and 128
+STEP_CASES = [
+    ("contiguous", 2, 1, 0, 256, "bfloat16", dict(causal=True)),  # keys all in the past: fully visible
+    ("contiguous", 2, 1, 1, 256, "float16", dict(causal=True, softmax_scale=0.2)),  # the diagonal step
+    ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True)),  # half of the tiles see nothing
+    ("striped", 4, 1, 3, 128, "float16", dict(causal=True, logits_soft_cap=2.0)),  # position stride 4
+    ("contiguous", 2, 1, 0, 256, "float16", dict(window=(100, 0), causal=True)),  # window cuts the step
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96)),
+    ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True)),
+    ("contiguous", 2, 0, 1, 256, "float16", dict(window=(20, 30))),  # few keys visible, non-causal
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
+@pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", STEP_CASES)
+def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_dim):
+    kw = dict(kw)
+    batch = 2 if kw.get("segments") else 1
+    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    heads, kv_heads = (4, 2) if head_dim == 64 or src % 2 else (6, 3)  # 6/3: odd groups pair row tiles
+    _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
+
+
+@needs_kernels
+def test_step_with_row_tile_pairing_under_gqa():
+    """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
+    import dataclasses
+
+    config = dataclasses.replace(SMALL, pair_heads=False)
+    _check_step("zigzag", 2, 1, 0, 256, "bfloat16", 64, 4, 2, config=config, causal=True)
+
+
+# --------------------------------------------------------------------------- the ring (compiled only)
+
+RING_CASES = [
+    (1, "contiguous", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=128), dict()),
+    (1, "contiguous", "float16", dict(seq=512, heads=6, kv_heads=2, head_dim=128), dict(causal=True)),
+    (1, "contiguous", "bfloat16", dict(seq=256, heads=2, kv_heads=1, head_dim=64),
+     dict(causal=True, sliding_window=70, logits_soft_cap=3.0)),
+    (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=128, segments="random",
+                                      sinks=True), dict(causal=True)),
+    (1, "zigzag", "bfloat16", dict(seq=1024, heads=8, kv_heads=2, head_dim=128), dict(causal=True, chunk_size=200)),
+    (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=128), dict(causal=True)),
+    (2, "striped", "float16", dict(seq=512, heads=4, kv_heads=1, head_dim=64), dict(causal=True)),
+    (4, "contiguous", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128), dict(sliding_window=(90, 40))),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", RING_CASES)
+def test_ring_matches_reference(n, layout, dtype, xkw, kw):
+    x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=SMALL, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+@hopper_only
+def test_default_config_matches_reference():
+    x = make_inputs(3, batch=1, seq=2048, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16")
+    got = run_ring(x, 1, implementation="pallas_mosaic_gpu", causal=True)
+    check_against_reference(got, reference_for(x, causal=True), "bfloat16")
+
+
+@hopper_only
+def test_auto_picks_it_on_hopper():
+    x = make_inputs(4, batch=1, seq=256, heads=4, kv_heads=2, head_dim=64, dtype="bfloat16")
+    q = jnp.asarray(x["q"], jnp.bfloat16)
+    problem = registry.Problem(opts=AttentionOptions(causal=True), batch=1, seq=256, heads=4, kv_heads=2,
+                               head_dim=64, dtype="bfloat16", platform="gpu")
+    assert registry.choose("ring_attention", "auto", problem)[0].name == "pallas_mosaic_gpu"
+    assert ringjax.ring_attention(q, q[:, :, :2], q[:, :, :2], axis_name=None, causal=True).shape == q.shape
+
+
+def _problem(**kw):
+    base = dict(opts=AttentionOptions(causal=True), batch=1, seq=1024, heads=8, kv_heads=2, head_dim=128,
+                dtype="bfloat16", platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    base.update(kw)
+    return registry.Problem(**base)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(dtype="float32"), "dtype float32 is not supported"),
+    (dict(head_dim=256), "head_dim 256 is not supported"),
+    (dict(head_dim=96), "head_dim 96 is not supported"),
+    (dict(opts=AttentionOptions(has_alibi=True)), "ALiBi is not implemented"),
+    (dict(opts=AttentionOptions(dropout_rate=0.1)), "dropout is not implemented"),
+    (dict(opts=AttentionOptions(num_sink_tokens=2)), "sink tokens"),
+    (dict(opts=AttentionOptions(chunk_size=8, has_segments=True)), "per-document chunks"),
+    (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
+    (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
+    (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the two consumers"),
+])
+def test_refusals_name_the_reason(kw, match):
+    why = IMPLEMENTATION.supports(_problem(**kw))
+    assert why is not None and match in why, why
+
+
+def test_refuses_a_config_over_the_shared_memory_budget():
+    from ringjax.pallas.mosaic_gpu import _refusal
+
+    big = MosaicGpuConfig(block_kv=256, num_stages=4)
+    assert "bytes of shared memory in its forward kernel" in _refusal(_problem(), big)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="checks the refusal where no Hopper GPU is present")
+def test_refuses_without_a_hopper_gpu():
+    why = IMPLEMENTATION.supports(_problem())
+    assert why is not None and ("no gpu device" in why or "compute capability" in why or "jax >=" in why), why
+
+
+def test_registered_lazily_above_pallas_gpu():
+    import subprocess
+    import sys
+
+    regs = {r.name: r for r in registry.registrations("ring_attention")}
+    assert regs["pallas_mosaic_gpu"].platforms == ("gpu",)
+    assert regs["pallas_mosaic_gpu"].priority > regs["pallas_gpu"].priority
+    code = "import sys, ringjax; sys.exit('ringjax.pallas.mosaic_gpu' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "importing ringjax imported the backend"
+    # on CPU "auto" never picks it: the platform check comes first
+    assert registry.choose("ring_attention", "auto", _problem(platform="cpu"))[0].name == "xla"
+
+
+def test_auto_falls_back_to_triton_where_it_refuses():
+    if not ON_HOPPER:
+        pytest.skip("without a Hopper GPU pallas_mosaic_gpu refuses every gpu problem for want of a device")
+    assert registry.choose("ring_attention", "auto", _problem())[0].name == "pallas_mosaic_gpu"
+    assert registry.choose("ring_attention", "auto", _problem(dtype="float32"))[0].name == "pallas_gpu"
+
+
+def test_explicit_request_explains_refusal():
+    q = jnp.ones((1, 64, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu"):
+        ringjax.ring_attention(q, q, q, axis_name=None, implementation="pallas_mosaic_gpu")
+
+
+@pytest.mark.parametrize("bad", [dict(block_kv=96), dict(dq_block_kv=32), dict(dkv_block_q=True),
+                                 dict(num_stages=1), dict(dkv_num_stages=7), dict(interpret=1)])
+def test_config_validation(bad):
+    with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
+        MosaicGpuConfig(**bad)
+
+
+def test_config_json_round_trip():
+    cfg = MosaicGpuConfig(block_kv=64, num_stages=3)
+    assert MosaicGpuConfig.from_json(cfg.to_json()) == cfg
+    assert registry.config_from_json(MosaicGpuConfig, registry.config_to_json(cfg)) == cfg
+
+
+def test_candidates_fit_shared_memory():
+    from ringjax.pallas.mosaic_gpu.config import SMEM_LIMIT
+
+    cands = IMPLEMENTATION.candidate_configs(_problem())
+    assert cands and IMPLEMENTATION.default_config(_problem()) in cands
+    for cfg in cands:
+        assert max(cfg.smem_bytes(128).values()) <= SMEM_LIMIT
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+def test_kernels_lower_to_mosaic_gpu_for_cuda():
+    from ringjax.pallas.mosaic_gpu import _jax_refusal
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    from ringjax.masks import TokenInfo
+    from ringjax.pallas.mosaic_gpu.kernels import block_bwd, block_fwd
+
+    t = 256
+    opts = AttentionOptions(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True, softmax_scale=0.1)
+
+    def f(q, k, v, do, lse, delta, seg):
+        qi = TokenInfo(jnp.arange(t, dtype=jnp.int32), seg)
+        ki = TokenInfo(jnp.arange(t, dtype=jnp.int32) - t, seg)
+        cfg = MosaicGpuConfig()
+        return block_fwd(q, k, v, qi, ki, opts, cfg), block_bwd(q, k, v, do, lse, delta, qi, ki, opts, cfg)
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, t, 8, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16),
+            s((1, t, 8, 128), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+            s((1, t), jnp.int32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
