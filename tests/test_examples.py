@@ -25,7 +25,15 @@ def _load(name):
     return module
 
 
+def _need(n):
+    import jax
+
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices, {len(jax.devices())} {jax.default_backend()} devices here")
+
+
 def test_train_lm_loss_goes_down(capsys):
+    _need(8)  # a 2 x 4 data x sequence mesh
     train_lm = _load("train_lm")
     vocab = 64
     result = train_lm.main(["--steps", "12", "--layers", "1", "--seq-len", "64", "--batch", "4", "--d-model", "32",
@@ -53,6 +61,7 @@ def test_train_lm_packs_documents_with_shifted_targets():
 
 
 def test_long_context_sweep_writes_table_and_plot(tmp_path):
+    _need(4)
     long_context = _load("long_context")
     result = long_context.main(["--start", "64", "--max-seq", "128", "--devices", "4", "--heads", "2",
                                 "--kv-heads", "1", "--head-dim", "16", "--out-dir", str(tmp_path)])
