@@ -12,7 +12,7 @@ On CPU it simulates 8 devices (a 2 x 4 mesh); on GPUs it uses the real ones.
     python examples/train_lm.py --steps 200 --seq-len 512
     python examples/train_lm.py --data 1 --sp 8   # all devices on the ring
 
-Needs: pip install ringjax[equinox] optax tqdm
+Needs: pip install -e ".[examples]"  (equinox, optax, matplotlib, tqdm)
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """ringjax: exact ring attention for JAX over a sequence sharded on a named mesh axis."""
 
+from ringjax._version import __version__ as __version__
 from ringjax.api import ring_attention
 from ringjax.autotuning import TuneSettings, autotune
 from ringjax.dilated import dilated_attention
@@ -8,8 +9,6 @@ from ringjax.merge import merge_attention, merge_attention_many
 from ringjax.options import AttentionOptions
 from ringjax.packed import ring_attention_kvpacked, ring_attention_qkvpacked, ring_attention_varlen
 from ringjax.registry import config_from_json, config_to_json, list_implementations
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AttentionOptions",

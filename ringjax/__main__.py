@@ -3,6 +3,7 @@
     python -m ringjax implementations
     python -m ringjax cache list|show|clear|export|import ...
     python -m ringjax tune --batch 1 --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --axis-size 8 --causal
+    python -m ringjax strategy --chip h200 --devices 2 --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --causal
 """
 
 from __future__ import annotations
@@ -53,16 +54,22 @@ def _load_file(path: Path):
 def _cmd_implementations(args) -> int:
     from ringjax import list_implementations
 
-    for impl in list_implementations(args.op):
-        here = "runs here" if impl["runs_here"] else "not on this platform"
-        print(f"{impl['name']:<12} priority {impl['priority']:<4} {','.join(impl['platforms']):<16} {here}")
+    rows = [(impl["name"], str(impl["priority"]), ",".join(impl["platforms"]),
+             "runs here" if impl["runs_here"] else "not on this platform")
+            for impl in list_implementations(args.op)]
+    rows.insert(0, ("name", "priority", "platforms", "here"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
     return 0
 
 
 def _cmd_cache_list(args) -> int:
     from ringjax import cache
 
-    print(f"user cache: {cache.cache_dir()}")
+    folder = cache.cache_dir()
+    state = "" if folder.is_dir() else " (does not exist yet: nothing has been tuned or imported)"
+    print(f"user cache: {folder}{state}")
     for label, files in (("user", cache.user_files()), ("shipped", cache.shipped_files())):
         for path in files:
             doc, err = _load_file(path)
@@ -212,6 +219,34 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _cmd_strategy(args) -> int:
+    from ringjax import plan
+
+    import dataclasses
+
+    hybrid = tuple(args.hybrid) if args.hybrid else None
+    if args.chip not in plan.CHIPS:
+        raise ValueError(f"--chip must be one of {sorted(plan.CHIPS)}, got {args.chip!r}")
+    chip = plan.CHIPS[args.chip]
+    if args.link_gbps is not None:
+        chip = dataclasses.replace(chip, link_bandwidth=args.link_gbps * 1e9)
+    costs = plan.strategy_costs(
+        chip, devices=args.devices, seq_len=args.seq, heads=args.heads, kv_heads=args.kv_heads or args.heads,
+        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, layout=args.layout, batch=args.batch,
+        hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
+    )
+    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s), seq {args.seq} ({args.seq // args.devices} per device), "
+          f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, head_dim {args.head_dim}, "
+          f"{args.dtype}, {'causal' if args.causal else 'full'}, layout {args.layout}"
+          + (f", hybrid {hybrid[0]} x {hybrid[1]}" if hybrid else ""))
+    print(plan.strategy_table(costs))
+    best = plan.best_strategy(costs)
+    print(f"strategy='auto' picks {best.strategy} ({best.total_s * 1e3:.3f} ms forward + backward; the ring unless "
+          f"another is over {plan.TIE_TOLERANCE:.0%} faster); a measurement through the autotuner "
+          "(autotune='on') overrides the model")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -251,6 +286,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file")
     p.add_argument("--device-kind", help="override the file's device kind")
     p.set_defaults(run=_cmd_cache_import)
+
+    p = sub.add_parser("strategy", help="the cost model's prediction for each strategy, and what 'auto' picks")
+    p.add_argument("--chip", required=True, help="one of ringjax.plan.CHIPS: h100, h200, tpu_v4, tpu_v5e, ...")
+    p.add_argument("--devices", type=_positive_int, required=True, help="devices the sequence is split over")
+    p.add_argument("--seq", type=_positive_int, required=True, help="global sequence length")
+    p.add_argument("--heads", type=_positive_int, required=True)
+    p.add_argument("--kv-heads", type=_positive_int, help="default: --heads")
+    p.add_argument("--head-dim", type=_positive_int, required=True)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag", "striped"))
+    p.add_argument("--hybrid", type=_positive_int, nargs=2, metavar=("HEAD", "RING"),
+                   help="also predict hybrid with HEAD x RING devices")
+    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s a kernel reaches")
+    p.add_argument("--memory-fraction", type=float, default=0.5, help="share of HBM a strategy may use")
+    p.add_argument("--link-gbps", type=float, help="one-way link GB/s to model instead of the chip's nominal figure")
+    p.set_defaults(run=_cmd_strategy)
 
     p = sub.add_parser("tune", help="autotune one problem (global shapes) and save the result")
     p.add_argument("--batch", type=_positive_int, required=True, help="per-device batch")

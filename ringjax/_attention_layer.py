@@ -8,15 +8,15 @@ function and differ only in how they store weights.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ringjax.api import ring_attention
-from ringjax.options import LAYOUTS, _static_number, normalize_window
+from ringjax.options import AttentionOptions, _static_number, normalize_window
 from ringjax.rotary import apply_rotary, token_positions
+from ringjax.strategies import check_strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +38,10 @@ class AttentionLayerConfig:
     softmax_scale: float | None = None
     use_sinks: bool = False
     rope_base: float | None = 10000.0  # None: no rotary embeddings
-    axis_name: str | None = "sp"
+    axis_name: str | tuple[str, str] | None = "sp"  # a (head_axis, ring_axis) pair with strategy="hybrid"
     layout: str = "contiguous"
     implementation: str = "auto"
+    strategy: str = "ring"  # see ringjax.ring_attention
 
     def __post_init__(self):
         for name in ("in_features", "num_heads"):
@@ -61,20 +62,21 @@ class AttentionLayerConfig:
             raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
         if not isinstance(self.use_sinks, bool):
             raise TypeError(f"use_sinks must be a bool, got {type(self.use_sinks).__name__}")
-        normalize_window(self.sliding_window, self.causal)
-        for name in ("logits_soft_cap", "softmax_scale"):
-            value = getattr(self, name)
-            if value is not None and not (_static_number(value, name, float) > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a positive finite float or None, got {value!r}")
+        # the attention options are checked by the one object that checks them for ring_attention
+        number = lambda name: None if getattr(self, name) is None else _static_number(getattr(self, name), name, float)
+        AttentionOptions(causal=self.causal, window=normalize_window(self.sliding_window, self.causal),
+                         softmax_scale=1.0 if self.softmax_scale is None else number("softmax_scale"),
+                         logits_soft_cap=number("logits_soft_cap"),
+                         layout=self.layout)
         if self.rope_base is not None:
             if not (_static_number(self.rope_base, "rope_base", float) > 0):
                 raise ValueError(f"rope_base must be positive or None, got {self.rope_base!r}")
             if self.dim % 2:
                 raise ValueError(f"rotary embeddings need an even head_dim, got {self.dim}")
-        if self.axis_name is not None and not isinstance(self.axis_name, str):
-            raise TypeError(f"axis_name must be a str or None, got {type(self.axis_name).__name__}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.axis_name is not None and not isinstance(self.axis_name, (str, tuple)):
+            raise TypeError(f"axis_name must be a str, a (head_axis, ring_axis) tuple or None, got "
+                            f"{type(self.axis_name).__name__}")
+        check_strategy(self.strategy, self.axis_name)
         if not isinstance(self.implementation, str):
             raise TypeError(f"implementation must be a str, got {type(self.implementation).__name__}")
 
@@ -102,6 +104,23 @@ class AttentionLayerConfig:
         return shapes
 
 
+# the config's fields but in_features, which Linen reads from the input
+LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionLayerConfig) if f.name != "in_features")
+
+
+def layer_config(config: AttentionLayerConfig | None, in_features: int | None, num_heads: int | None,
+                 options: dict) -> AttentionLayerConfig:
+    """A layer's config: `config` as given, or one built from the layer's arguments (in_features,
+    num_heads and the other AttentionLayerConfig fields by name in `options`); not both."""
+    if config is None:
+        return AttentionLayerConfig(in_features=in_features, num_heads=num_heads, **options)
+    if not isinstance(config, AttentionLayerConfig):
+        raise TypeError(f"config must be an AttentionLayerConfig, got {type(config).__name__}")
+    if in_features is not None or num_heads is not None or options:
+        raise TypeError("pass either config= or the layer's options (in_features, num_heads, ...), not both")
+    return config
+
+
 def fan_in(name: str, shape: tuple[int, ...]) -> int:
     """Inputs summed into one output of parameter `name` (its contracted axes)."""
     return shape[0] if name in ("q", "k", "v") else shape[0] * shape[1]
@@ -114,10 +133,21 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
     return (jax.random.normal(key, shape, jnp.float32) / np.sqrt(fan_in(name, shape))).astype(dtype)
 
 
+PROJECTIONS = ("q", "k", "v", "o")
+
+
 def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
+    """Initial parameters by name: the q, k, v, o projections and, with use_sinks, sinks.
+
+    `key` is a PRNG key, split once per projection, or a function giving a fresh key per
+    projection (an `nnx.Rngs` stream).
+    """
+    keys = [key() for _ in PROJECTIONS] if callable(key) else jax.random.split(key, len(PROJECTIONS))
     shapes = cfg.param_shapes()
-    keys = jax.random.split(key, len(shapes))
-    return {name: init_param(name, k, shape, param_dtype) for k, (name, shape) in zip(keys, shapes.items())}
+    params = {name: init_param(name, k, shapes[name], param_dtype) for name, k in zip(PROJECTIONS, keys)}
+    if cfg.use_sinks:
+        params["sinks"] = init_param("sinks", None, shapes["sinks"], param_dtype)
+    return params
 
 
 def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions=None, dtype=None):
@@ -159,5 +189,6 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         sinks=params.get("sinks"),
         layout=cfg.layout,
         implementation=cfg.implementation,
+        strategy=cfg.strategy,
     )
     return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype))

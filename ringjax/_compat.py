@@ -1,6 +1,8 @@
-"""The few places where jax 0.10.x and 0.11.x differ, kept in one module."""
+"""The few places where jax versions (0.10.2 to the newest) differ, kept in one module."""
 
 from __future__ import annotations
+
+import logging
 
 import jax
 from jax.sharding import AbstractMesh, Mesh
@@ -131,6 +133,14 @@ def explicit_spec(x):
     return sharding.spec
 
 
+def is_committed(x) -> bool:
+    """Whether a concrete jax.Array was placed explicitly (device_put, a sharded result)."""
+    committed = getattr(x, "committed", None)
+    if committed is None:
+        committed = getattr(x, "_committed", True)
+    return bool(committed)
+
+
 def explicit_mesh_context(mesh):
     """`jax.set_mesh(mesh)` if `mesh` has Explicit axes (their gathers need it), else a no-op context."""
     import contextlib
@@ -149,12 +159,17 @@ def constrain(x, sharding):
     return jax.lax.with_sharding_constraint(x, sharding)
 
 
-def struct_like(shape, dtype, ref):
-    """ShapeDtypeStruct varying over the same mesh axes as `ref` (pallas_call outputs in shard_map)."""
-    mat = getattr(jax.typeof(ref), "mat", None)
-    if mat is None:
+def align_vma(*xs) -> tuple:
+    """Make every operand vary over the same mesh axes (a pallas_call's operands must agree)."""
+    return tuple(match_vma(x, *xs) for x in xs)
+
+
+def struct_like(shape, dtype, *refs):
+    """ShapeDtypeStruct varying over the mesh axes `refs` vary over (pallas_call outputs in shard_map)."""
+    varying = frozenset().union(*(varying_axes(r) for r in refs))
+    if not varying:
         return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
 
 
 _UNCHECKED = None
@@ -223,3 +238,41 @@ def gather_axis(x, axis: int):
     if isinstance(concrete, NamedSharding):
         return jax.device_put(x, NamedSharding(concrete.mesh, PartitionSpec(*new)))
     return jax.reshard(x, PartitionSpec(*new))
+
+
+class _PrintRaces(logging.Handler):
+    """Prints the race reports of jax >= 0.12's TPU interpreter, which logs them on the root logger."""
+
+    def filter(self, record):
+        return record.pathname.endswith("race_detection_state.py") and record.getMessage().startswith("RACE")
+
+    def emit(self, record):
+        print(record.getMessage(), flush=True)
+
+
+def tpu_interpret_params(detect_races: bool):
+    """Pallas TPU interpreter parameters; a detected race is printed and recorded, never raised.
+
+    jax <= 0.11 prints each race and records it; jax >= 0.12 raises on the first one unless
+    told to warn, and then logs it: a handler (installed the first time races are detected)
+    prints those records as older versions did.
+    """
+    from jax.experimental.pallas import tpu as pltpu
+
+    fields = getattr(pltpu.InterpretParams, "__dataclass_fields__", {})
+    if not detect_races or "on_race" not in fields:
+        return pltpu.InterpretParams(detect_races=detect_races)
+    root = logging.getLogger()
+    if not any(isinstance(h, _PrintRaces) for h in root.handlers):
+        root.addHandler(_PrintRaces())
+    return pltpu.InterpretParams(detect_races=True, on_race="warn")
+
+
+def tpu_races_found() -> bool:
+    """Whether the TPU interpreter's race detector recorded a race since its state was last reset."""
+    try:  # not public API: jax keeps the detector's state in this module
+        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
+    except ImportError as e:
+        raise RuntimeError(f"this jax ({jax.__version__}) does not expose the interpreter's race state") from e
+    state = getattr(interpreter, "races", None)
+    return bool(state is not None and state.races_found)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ringjax import _compat, autotuning, calling, registry
+from ringjax import _compat, autotuning, calling, registry, strategies
 from ringjax.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
 from ringjax.masks import Extras
 from ringjax.options import check_inputs, make_options
@@ -21,7 +21,7 @@ def ring_attention(
     k: Float[Array, "batch seq kv_heads head_dim"],
     v: Float[Array, "batch seq kv_heads head_dim"],
     *,
-    axis_name: str | None = "sp",
+    axis_name: str | tuple[str, str] | None = "sp",
     causal: bool = False,
     sliding_window: int | tuple[int, int] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
@@ -39,6 +39,7 @@ def ring_attention(
     implementation: str = "auto",
     config=None,
     autotune: str | None = None,
+    strategy: str = "ring",
 ):
     """Exact attention over a sequence sharded along mesh axis `axis_name`.
 
@@ -54,8 +55,15 @@ def ring_attention(
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |
     "cached" | "on", default $RINGJAX_AUTOTUNE or "cached") says whether cached
     tuned configs are used and whether missing ones are measured; see docs/autotune.md.
+
+    `strategy` spreads the work over the sequence axis: "ring" (K/V travel around a ring),
+    "all_gather" (K/V gathered once), "ulysses" (all-to-all to whole sequences of a slice of
+    the heads), "hybrid" (ulysses over one axis, ring over another: axis_name=(head_axis,
+    ring_axis), the sequence split over both, head axis major) or "auto" (the cost model of
+    `ringjax.plan` decides; logged to "ringjax.strategy"). See docs/strategies.md.
     """
-    call = calling.resolve(axis_name, mesh)
+    strategies.check_strategy(strategy, axis_name)
+    call = calling.resolve(axis_name, mesh, allow_pair=strategy in ("hybrid", "auto"))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if not isinstance(implementation, str):
@@ -69,7 +77,7 @@ def ring_attention(
         softmax_scale=softmax_scale,
         logits_soft_cap=logits_soft_cap,
         layout=layout,
-        axis_name=axis_name,
+        axis_name=None,  # the strategy sets the axes each device's problem runs over
         axis_size=call.axis_size,
         has_segments=segment_ids is not None,
         has_sinks=sinks is not None,
@@ -81,7 +89,7 @@ def ring_attention(
     batch, seq, heads, head_dim = q.shape
     call = calling.with_spare_axes(call, q, batch=batch, kv_heads=k.shape[2])
     batch, seq, heads = call.local_shape(batch, seq, heads)
-    problem = registry.Problem(
+    base = registry.Problem(
         opts=opts,
         batch=batch,
         seq=seq,
@@ -91,6 +99,12 @@ def ring_attention(
         dtype=str(q.dtype),
         platform=registry.current_platform(),
     )
+    if strategy == "auto":
+        strat = strategies.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,
+                                  autotune=autotune)
+    else:
+        strat = strategies.bind(strategy, call.axis_name, call.axis_sizes())
+    problem = strat.problem(base)
     reg, impl = registry.choose(OP, implementation, problem)
     config = autotuning.select_config(OP, reg, impl, problem, config, policy=autotune)
     seed = None if dropout_rng is None else jax.random.bits(dropout_rng, (2,), jnp.uint32)
@@ -100,7 +114,7 @@ def ring_attention(
             # other batch/head shards draw other masks (shard_map users fold this in themselves)
             seed = seed + calling.shard_indices(call) * jnp.asarray(_SHARD_SEED_STRIDE, jnp.uint32)
         extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
-        return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
+        return strategies.run_per_device(strat, impl, problem, config, q, k, v, seg, sinks, extras)
 
     if call.mode == "single":  # whole sequences on one device: undo explicit sequence sharding
         q, k, v = (_compat.gather_axis(x, 1) for x in (q, k, v))
@@ -111,6 +125,6 @@ def ring_attention(
         (q, k, v, segment_ids, sinks, alibi_slopes, seed),
         (TOKENS, TOKENS, TOKENS, SEQ, HEADS, HEADS, REPLICATED),
         (TOKENS, LSE),
-        key=(OP, reg.name, problem, config),
+        key=(OP, reg.name, strat, problem, config),
     )
     return (out, lse) if return_lse else out

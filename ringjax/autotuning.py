@@ -209,20 +209,29 @@ def _stand_ins(problem: registry.Problem, n: int, seed: int = 0):
     return q, k, v, seg, sinks, w, slopes, seed
 
 
-def _timed_step(impl, problem: registry.Problem, config, mesh, backward: bool):
-    """A jittable f(q, k, v, seg, sinks, w, slopes, seed) running `impl` with `config` on global stand-ins."""
+def _timed_step(impl, problem: registry.Problem, config, mesh, backward: bool, strategy=None):
+    """A jittable f(q, k, v, seg, sinks, w, slopes, seed) running `impl` with `config` on global stand-ins.
+
+    With a `strategies.Strategy`, the stand-ins are the caller's arrays and `problem` is what
+    the strategy makes of them on each device.
+    """
     import jax
     import jax.numpy as jnp
 
-    from ringjax import calling
+    from ringjax import calling, strategies
     from ringjax.masks import Extras
 
-    axis = problem.opts.axis_name
-    call = calling.Call("global", axis, problem.opts.axis_size, mesh) if mesh is not None else calling.Call(
-        "single", None, 1)
+    if strategy is not None:
+        call = calling.Call("global", strategy.seq_axes, strategy.num_shards, mesh)
+    elif mesh is not None:
+        call = calling.Call("global", problem.opts.axis_name, problem.opts.axis_size, mesh)
+    else:
+        call = calling.Call("single", None, 1)
 
     def per_device(q, k, v, seg, sinks, slopes, seed):
         extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
+        if strategy is not None:
+            return strategies.run_per_device(strategy, impl, problem, config, q, k, v, seg, sinks, extras)
         return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
 
     roles = (calling.TOKENS, calling.TOKENS, calling.TOKENS, calling.SEQ, calling.HEADS, calling.HEADS,
@@ -263,12 +272,27 @@ def _short_error(e: BaseException) -> str:
     return text[0][:200] if text else type(e).__name__
 
 
+def _placed_stand_ins(problem: registry.Problem, mesh, seq_axes, n: int):
+    """`_stand_ins` for n devices, the sequence sharded over `seq_axes` of `mesh`."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    q, k, v, seg, sinks, w, slopes, seed = _stand_ins(problem, n)
+    spec = NamedSharding(mesh, P(None, seq_axes))
+    rep = NamedSharding(mesh, P())
+    return (jax.device_put(q, spec), jax.device_put(k, spec), jax.device_put(v, spec),
+            None if seg is None else jax.device_put(seg, spec),
+            None if sinks is None else jax.device_put(sinks, rep), jax.device_put(w, spec),
+            None if slopes is None else jax.device_put(slopes, rep),
+            None if seed is None else jax.device_put(seed, rep))
+
+
 def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings, bar):
     """Time every candidate; runs in a worker thread. Returns (timings, devices, proxy)."""
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     n = problem.opts.axis_size
     devices = jax.devices(problem.platform)
@@ -282,18 +306,10 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
         opts = dataclasses.replace(problem.opts, axis_size=1, axis_name=None)
         run_problem = dataclasses.replace(problem, opts=opts)
         n = 1
-    q, k, v, seg, sinks, w, slopes, seed = _stand_ins(run_problem, n)
     if mesh is not None:
-        spec = NamedSharding(mesh, P(None, problem.opts.axis_name))
-        rep = NamedSharding(mesh, P())
-        args = (jax.device_put(q, spec), jax.device_put(k, spec), jax.device_put(v, spec),
-                None if seg is None else jax.device_put(seg, spec),
-                None if sinks is None else jax.device_put(sinks, rep), jax.device_put(w, spec),
-                None if slopes is None else jax.device_put(slopes, rep),
-                None if seed is None else jax.device_put(seed, rep))
+        args = _placed_stand_ins(run_problem, mesh, problem.opts.axis_name, n)
     else:
-        args = tuple(None if a is None else jax.device_put(a, devices[0])
-                     for a in (q, k, v, seg, sinks, w, slopes, seed))
+        args = tuple(None if a is None else jax.device_put(a, devices[0]) for a in _stand_ins(run_problem, n))
     timings = []
     for candidate in impl.candidate_configs(run_problem):
         try:
@@ -368,6 +384,100 @@ def tune_problem(op: str, reg, impl, problem: registry.Problem, settings: TuneSe
     )
     cache.user_store(problem.device_kind).put(entry)
     return TuneResult(op, impl.name, problem, best, best_time, tuple(timings), "autotuned")
+
+
+# ---------------------------------------------------------------------------- strategies
+
+STRATEGY_OP_SUFFIX = ".strategy"  # cache entries of measured strategy choices: op + this suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyTiming:
+    """Outcome of measuring the strategies for one call (medians in seconds; None: it failed)."""
+
+    strategy: Any | None  # the fastest strategies.Strategy, None if none ran
+    source: str  # autotuned | memory | persistent | shipped
+    timings: tuple[tuple[str, float | None, str | None], ...] = ()
+
+
+def measured_strategy(op: str, base: registry.Problem, candidates: Sequence, implementation: str,
+                      policy: str | None = None, settings: TuneSettings | None = None) -> StrategyTiming | None:
+    """The strategy that measured fastest for `base` (a cached measurement, or one taken now when
+    `policy` is "on"), or None. `candidates` are `strategies.Strategy` over one shared axis."""
+    policy = resolve_policy(policy)
+    if policy == "off" or len(candidates) < 2:
+        return None
+    base = base.resolved()
+    by_name = {s.name: s for s in candidates}
+    key = cache.cache_key(op + STRATEGY_OP_SUFFIX, implementation, base)
+    kid = cache.key_id(key)
+    hit = _memory_get(kid)
+    if hit is not None:
+        return None if hit is _FAILED or hit not in by_name else StrategyTiming(by_name[hit], "memory")
+    found = cache.lookup(op + STRATEGY_OP_SUFFIX, implementation, base)
+    if found is not None:
+        where, entry = found
+        name = entry.get("config", {}).get("strategy")
+        if name in by_name:
+            _memory_put(kid, name)
+            return StrategyTiming(by_name[name], where)
+    if policy != "on" or _recorder() is not None:
+        return None
+    return tune_strategies(op, base, candidates, implementation, settings or ON_USE_SETTINGS)
+
+
+def tune_strategies(op: str, base: registry.Problem, candidates: Sequence, implementation: str = "auto",
+                    settings: TuneSettings | None = None) -> StrategyTiming:
+    """Time every candidate strategy on stand-in inputs of `base`'s shapes and cache the fastest.
+
+    Each runs the implementation and config a call with that strategy would get (cached or
+    heuristic configs: kernel configs are not tuned here). Needs as many devices as the axis.
+    """
+    settings = settings or TuneSettings()
+    base = base.resolved()
+    key = cache.cache_key(op + STRATEGY_OP_SUFFIX, implementation, base)
+    timings = _in_worker(_time_strategies, op, base, tuple(candidates), implementation, settings)
+    ok = [(t, name) for name, t, err in timings if err is None]
+    if not ok:
+        _memory_put(cache.key_id(key), _FAILED)
+        return StrategyTiming(None, "autotuned", tuple(timings))
+    best_time, best = min(ok)
+    _memory_put(cache.key_id(key), best)
+    entry = cache.make_entry(key, "strategy", {"strategy": best}, median_s=best_time, candidates=len(timings),
+                             failed=sum(err is not None for _, _, err in timings),
+                             measured="fwd+bwd" if settings.backward else "fwd",
+                             timings={name: t for name, t, err in timings if err is None})
+    cache.user_store(base.device_kind).put(entry)
+    return StrategyTiming(next(s for s in candidates if s.name == best), "autotuned", tuple(timings))
+
+
+def _time_strategies(op, base, candidates, implementation, settings):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    axes = candidates[0].seq_axes
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    n = candidates[0].num_shards
+    devices = jax.devices(base.platform)
+    if len(devices) < n:
+        return [(s.name, None, f"needs {n} {base.platform} devices, {len(devices)} here") for s in candidates]
+    shape = [candidates[0].head_size, candidates[0].ring_size] if len(axes) == 2 else [n]
+    mesh = Mesh(np.array(devices[:n]).reshape(shape), axes)
+    args = _placed_stand_ins(base, mesh, candidates[0].seq_axes, n)
+    timings = []
+    for strategy in candidates:
+        try:
+            problem = strategy.problem(base)
+            reg, impl = registry.choose(op, implementation, problem)
+            config = select(op, reg, impl, problem, policy="cached").config
+            step = _timed_step(impl, problem, config, mesh, settings.backward, strategy=strategy)
+            compiled = jax.jit(step).lower(*args).compile()
+            timings.append((strategy.name, _measure(compiled, args, settings), None))
+            del compiled
+        except Exception as e:  # noqa: BLE001 - a strategy that does not compile or run is skipped
+            timings.append((strategy.name, None, _short_error(e)))
+    return timings
 
 
 # ---------------------------------------------------------------------------- ahead of time
@@ -461,7 +571,7 @@ def tune_shapes(
     """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways)."""
     import jax.numpy as jnp
 
-    from ringjax.options import make_options
+    from ringjax.options import make_options, sequence_chunks
 
     kv_heads = heads if kv_heads is None else kv_heads
     for name, value in (("batch", batch), ("seq", seq), ("heads", heads), ("kv_heads", kv_heads),
@@ -470,7 +580,7 @@ def tune_shapes(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    chunks = sequence_chunks(layout, axis_size)
     if seq % chunks:
         raise ValueError(f"seq ({seq}) must be divisible by {chunks} for axis_size {axis_size} and layout {layout!r}")
     stand_in = jnp.zeros((1, 1, 1, head_dim), dtype)  # only shape and dtype are read

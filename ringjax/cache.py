@@ -43,12 +43,12 @@ def versions() -> dict[str, Any]:
     import jax
     import jaxlib
 
-    import ringjax
+    from ringjax import _version
 
     return {
         "jax": jax.__version__,
         "jaxlib": getattr(jaxlib, "__version__", None) or jaxlib.version.__version__,
-        "ringjax": ringjax.__version__,
+        "ringjax": _version.__version__,
         "schema": SCHEMA_VERSION,
     }
 
@@ -199,17 +199,21 @@ class Store:
     @contextlib.contextmanager
     def _locked(self):
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.lock_path, "a+") as lock:
-            try:
-                import fcntl
-            except ImportError:  # no flock (Windows): atomic replace only, last writer wins
-                yield
-                return
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): atomic replace only, last writer wins
+            yield
+            return
+        while True:
+            with open(self.lock_path, "a+") as lock:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                try:
+                    # `clear` may have removed the lock file while we waited: lock the current one
+                    if os.path.exists(self.lock_path) and os.stat(self.lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                        yield
+                        return
+                finally:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     def _set_aside(self, why: str) -> None:
         """Rename a bad file to <name>.bad-<time>-<pid> (under the lock, if it is still bad)."""
@@ -324,8 +328,9 @@ class Store:
         """Delete the file (under the lock)."""
         try:
             with self._locked():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
+                for path in (self.path, self.lock_path):  # the lock goes too: nothing is left behind
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
         except OSError as e:
             _warn_once(self.path, f"cannot clear {self.path} ({e})")
             return False

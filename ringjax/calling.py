@@ -38,7 +38,7 @@ class Call:
     """How one call runs: its mode, the ring axis and, for global arrays, the mesh and spare axes."""
 
     mode: str  # "single" | "local" | "global"
-    axis_name: str | None
+    axis_name: str | tuple[str, ...] | None  # a tuple: the sequence is split over several axes, major first
     axis_size: int
     mesh: Any = None  # Mesh or AbstractMesh (global mode only)
     batch_axes: tuple[str, ...] = ()  # mesh axes batch stays sharded over (global mode)
@@ -47,6 +47,16 @@ class Call:
     @property
     def is_global(self) -> bool:
         return self.mode == "global"
+
+    @property
+    def seq_axes(self) -> tuple[str, ...]:
+        return _axes(self.axis_name)
+
+    def axis_sizes(self) -> dict[str, int]:
+        """Size of each sequence axis."""
+        if self.is_global:
+            return {a: int(self.mesh.shape[a]) for a in self.seq_axes}
+        return {a: _compat.axis_size_or_none(a) for a in self.seq_axes}
 
     def ways(self, axes: tuple[str, ...]) -> int:
         return math.prod(int(self.mesh.shape[a]) for a in axes) if axes else 1
@@ -72,28 +82,39 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def resolve(axis_name, mesh=None) -> Call:
-    """Which mode a call with `axis_name` (and optional `mesh`) runs in here."""
+def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
+    """Which mode a call with `axis_name` (and optional `mesh`) runs in here.
+
+    `allow_pair`: axis_name may be a tuple of two names (the sequence split over both).
+    """
     if axis_name is None:
         if mesh is not None:
             raise ValueError("mesh= needs axis_name: name the mesh axis the sequence is sharded over")
         return Call("single", None, 1)
-    if not isinstance(axis_name, str):
-        raise TypeError(f"axis_name must be a str or None, got {type(axis_name).__name__}")
-    bound = _compat.axis_size_or_none(axis_name)
-    if bound is not None:
-        if mesh is not None and mesh.shape.get(axis_name) != bound:
-            raise ValueError(f"mesh axis {axis_name!r} does not match the enclosing shard_map's (size {bound})")
-        return Call("local", axis_name, bound)
+    if allow_pair and isinstance(axis_name, (tuple, list)) and len(axis_name) == 2:
+        names = tuple(axis_name)
+    else:
+        names = (axis_name,)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"axis_name must be a str or None, got {type(name).__name__}")
+    axis_name = names[0] if len(names) == 1 else names
+    bound = [_compat.axis_size_or_none(name) for name in names]
+    if all(b is not None for b in bound):
+        for name, size in zip(names, bound):
+            if mesh is not None and mesh.shape.get(name) != size:
+                raise ValueError(f"mesh axis {name!r} does not match the enclosing shard_map's (size {size})")
+        return Call("local", axis_name, math.prod(bound))
     target = mesh if mesh is not None else _compat.context_mesh()
-    if target is None or axis_name not in target.axis_names:
-        where = f"mesh axes {tuple(target.axis_names)}" if target is not None else "no mesh"
-        raise ValueError(
-            f"axis_name {axis_name!r} is not bound ({where}). Call inside jax.shard_map over a mesh with that "
-            f"axis, on global arrays under jax.set_mesh(mesh) or with mesh=mesh, or pass axis_name=None to run "
-            "on one device without a ring"
-        )
-    return Call("global", axis_name, int(target.shape[axis_name]), target)
+    for name in names:
+        if target is None or name not in target.axis_names:
+            where = f"mesh axes {tuple(target.axis_names)}" if target is not None else "no mesh"
+            raise ValueError(
+                f"axis_name {name!r} is not bound ({where}). Call inside jax.shard_map over a mesh with that "
+                f"axis, on global arrays under jax.set_mesh(mesh) or with mesh=mesh, or pass axis_name=None to run "
+                "on one device without a ring"
+            )
+    return Call("global", axis_name, math.prod(int(target.shape[name]) for name in names), target)
 
 
 def with_spare_axes(call: Call, x, *, batch: int, kv_heads: int, keep_heads_if=None) -> Call:
@@ -106,15 +127,16 @@ def with_spare_axes(call: Call, x, *, batch: int, kv_heads: int, keep_heads_if=N
     """
     if not call.is_global:
         return call
-    mesh, axis = call.mesh, call.axis_name
+    mesh, seq_axes = call.mesh, call.seq_axes
     spec = _compat.sharding_spec(x)
     if spec is not None:
         spec = tuple(spec) + (None,) * (4 - len(spec))
         batch_axes, head_axes = _axes(spec[0]), _axes(spec[2])
-        if axis in batch_axes + head_axes:
-            raise ValueError(f"q is sharded over {axis!r} on batch or heads; the sequence axis must be free")
+        for axis in seq_axes:
+            if axis in batch_axes + head_axes:
+                raise ValueError(f"q is sharded over {axis!r} on batch or heads; the sequence axis must be free")
     else:
-        rest = tuple(a for a in mesh.axis_names if a != axis and mesh.shape[a] > 1)
+        rest = tuple(a for a in mesh.axis_names if a not in seq_axes and mesh.shape[a] > 1)
         batch_axes, head_axes = rest, ()
     call = dataclasses.replace(call, batch_axes=batch_axes, head_axes=head_axes)
     if batch % call.ways(call.batch_axes):

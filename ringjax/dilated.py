@@ -28,8 +28,8 @@ from ringjax import _compat, calling
 from ringjax.api import ring_attention
 from ringjax.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
-from ringjax.merge import merge_attention_many
-from ringjax.options import check_inputs, make_options
+from ringjax.merge import add_sinks, merge_attention_many
+from ringjax.options import check_inputs, chunks_per_shard, make_options
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -71,7 +71,7 @@ def _check_layout(layout: str, branches, axis_size: int, local_len: int) -> None
                 f"dilated_attention with dilation rate {r} > 1 does not support layout 'striped' on a ring "
                 "(the dilated sub-sequences are not striped over the same shards); use 'contiguous' or 'zigzag'"
             )
-        chunk = local_len // 2 if layout == "zigzag" else local_len
+        chunk = local_len // chunks_per_shard(layout)
         if chunk % r:
             what = "half the local sequence (zigzag chunk)" if layout == "zigzag" else "the local sequence length"
             raise ValueError(
@@ -105,14 +105,6 @@ def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
     if window is None:
         return None
     return (window[0] // r, window[1] // r)
-
-
-def _add_sinks(out, lse, sinks):
-    """exp(sinks[h]) joins each row's denominator once, after the branches merge."""
-    sink = sinks.astype(jnp.float32)[None, :, None]
-    new_lse = jnp.logaddexp(lse, sink)
-    scale = jnp.exp(lse - new_lse)  # 0 where no key was seen
-    return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
 
 
 def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layout, global_len, ring_kw):
@@ -164,7 +156,7 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
         lses.append(lse_b)
     out, lse = merge_attention_many(outs, lses)
     if sinks is not None:
-        out, lse = _add_sinks(out, lse, sinks)
+        out, lse = add_sinks(out, lse, sinks)  # once, after the branches merge
     return out, lse
 
 

@@ -20,62 +20,29 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from ringjax import _attention_layer as core
+from ringjax._attention_layer import AttentionLayerConfig
 
-__all__ = ["LinenMultiHeadAttention", "MultiHeadAttention"]
+__all__ = ["AttentionLayerConfig", "LinenMultiHeadAttention", "MultiHeadAttention"]
 
 
 class MultiHeadAttention(nnx.Module):
     """Flax NNX multi-head (GQA) attention over a sequence sharded on mesh axis `axis_name`.
 
+    Takes the fields of `AttentionLayerConfig` as arguments (in_features, num_heads, then by
+    keyword num_kv_heads, causal, axis_name, layout, ...), or one as `config=`.
     Parameters: q_proj [in, heads, head_dim], k_proj / v_proj [in, kv_heads, head_dim],
     o_proj [heads, head_dim, out] and, with use_sinks, sinks [heads] (a learnable
     logit per head that joins every softmax denominator).
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        num_heads: int,
-        *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        out_features: int | None = None,
-        causal: bool = False,
-        sliding_window: int | tuple[int, int] | None = None,
-        logits_soft_cap: float | None = None,
-        softmax_scale: float | None = None,
-        use_sinks: bool = False,
-        rope_base: float | None = 10000.0,
-        axis_name: str | None = "sp",
-        layout: str = "contiguous",
-        implementation: str = "auto",
-        dtype=None,
-        param_dtype=jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.config = core.AttentionLayerConfig(
-            in_features=in_features,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            out_features=out_features,
-            causal=causal,
-            sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap,
-            softmax_scale=softmax_scale,
-            use_sinks=use_sinks,
-            rope_base=rope_base,
-            axis_name=axis_name,
-            layout=layout,
-            implementation=implementation,
-        )
+    def __init__(self, in_features: int | None = None, num_heads: int | None = None, *,
+                 config: AttentionLayerConfig | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 **options):
+        self.config = core.layer_config(config, in_features, num_heads, options)
         self.dtype = dtype
-        shapes = self.config.param_shapes()
-        self.q_proj = nnx.Param(core.init_param("q", rngs.params(), shapes["q"], param_dtype))
-        self.k_proj = nnx.Param(core.init_param("k", rngs.params(), shapes["k"], param_dtype))
-        self.v_proj = nnx.Param(core.init_param("v", rngs.params(), shapes["v"], param_dtype))
-        self.o_proj = nnx.Param(core.init_param("o", rngs.params(), shapes["o"], param_dtype))
-        self.sinks = nnx.Param(core.init_param("sinks", None, shapes["sinks"], param_dtype)) if use_sinks else None
+        params = core.init_params(self.config, rngs.params, param_dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nnx.Param(params[n]) for n in core.PROJECTIONS)
+        self.sinks = nnx.Param(params["sinks"]) if "sinks" in params else None
 
     def __call__(
         self,
@@ -93,9 +60,10 @@ class MultiHeadAttention(nnx.Module):
 class LinenMultiHeadAttention(nn.Module):
     """Flax Linen multi-head (GQA) attention over a sequence sharded on mesh axis `axis_name`.
 
-    `in_features` is taken from the input. Parameters (in the "params" collection):
-    q_proj, k_proj, v_proj, o_proj and, with use_sinks, sinks; shapes as in
-    `MultiHeadAttention`.
+    Its attributes are the fields of `AttentionLayerConfig` but `in_features`, which is taken
+    from the input (Linen builds a module and its `clone` from declared attributes, so they are
+    listed here; a test checks they match the config). Parameters (in the "params" collection):
+    q_proj, k_proj, v_proj, o_proj and, with use_sinks, sinks; shapes as in `MultiHeadAttention`.
     """
 
     num_heads: int
@@ -108,29 +76,16 @@ class LinenMultiHeadAttention(nn.Module):
     softmax_scale: float | None = None
     use_sinks: bool = False
     rope_base: float | None = 10000.0
-    axis_name: str | None = "sp"
+    axis_name: str | tuple[str, str] | None = "sp"
     layout: str = "contiguous"
     implementation: str = "auto"
+    strategy: str = "ring"
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 
-    def layer_config(self, in_features: int) -> core.AttentionLayerConfig:
-        return core.AttentionLayerConfig(
-            in_features=in_features,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            out_features=self.out_features,
-            causal=self.causal,
-            sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap,
-            softmax_scale=self.softmax_scale,
-            use_sinks=self.use_sinks,
-            rope_base=self.rope_base,
-            axis_name=self.axis_name,
-            layout=self.layout,
-            implementation=self.implementation,
-        )
+    def layer_config(self, in_features: int) -> AttentionLayerConfig:
+        fields = {name: getattr(self, name) for name in core.LAYER_FIELDS}
+        return AttentionLayerConfig(in_features=in_features, **fields)
 
     @nn.compact
     def __call__(

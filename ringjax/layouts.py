@@ -27,11 +27,17 @@ def _check(layout: str, axis_size: int, seq: int) -> None:
         raise ValueError(f"sequence length {seq} must be divisible by {chunks} for layout {layout!r}")
 
 
-def local_positions(layout: str, shard, axis_size: int, local_len: int, xp=jnp):
+def local_positions(layout: str, shard, axis_size: int, local_len: int, xp=jnp, subshards: int = 1):
     """Global positions [local_len] (int32) of the tokens held by `shard` (may be traced).
 
     `xp=numpy` gives a concrete array for a static shard index (usable inside jit).
+    `subshards` > 1: the sequence is in axis_size * subshards layout shards and `shard`
+    holds shards i * axis_size + shard for i < subshards, concatenated in that order.
     """
+    if subshards > 1:
+        part = local_len // subshards
+        return xp.concatenate([local_positions(layout, i * axis_size + shard, axis_size * subshards, part, xp)
+                               for i in range(subshards)])
     t = xp.arange(local_len, dtype=xp.int32)
     shard = xp.asarray(shard, xp.int32)
     if layout == "contiguous":
@@ -75,7 +81,9 @@ def _reorder(x, order: np.ndarray, axis: int, out_sharding=None):
         return y if out_sharding is None else _compat.constrain(y, out_sharding)
     if not isinstance(x, jax.Array):  # numpy (or anything array-like) stays on the host
         return np.asarray(x)[(slice(None),) * axis + (order,)]
-    # a concrete array keeps its placement, whatever kind of mesh (or device) it lives on
+    if out_sharding is None and not _compat.is_committed(x):
+        return x[(slice(None),) * axis + (order,)]  # uncommitted in, uncommitted out: jax may move it freely
+    # a committed array keeps its placement, whatever kind of mesh (or device) it lives on
     sharding = out_sharding if out_sharding is not None else x.sharding
     fn = _compiled_take(order.astype(np.int64).tobytes(), axis, sharding)
     with _compat.explicit_mesh_context(getattr(x.sharding, "mesh", None)):

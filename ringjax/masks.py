@@ -8,6 +8,7 @@ All positions are global token positions.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -24,7 +25,8 @@ class TokenInfo(NamedTuple):
 
 
 class BlockRange(NamedTuple):
-    """Bounds of a block's positions and segment ids (scalars, may be traced)."""
+    """Bounds of a block's positions and segment ids: scalars, or arrays over many blocks that
+    broadcast against each other (`tiles.block_ranges`); may be traced."""
 
     pos_lo: jnp.ndarray
     pos_hi: jnp.ndarray
@@ -38,15 +40,28 @@ class Extras(NamedTuple):
 
     alibi_slopes: jnp.ndarray | None = None  # [H] float32
     dropout_seed: jnp.ndarray | None = None  # [2] uint32
+    # [2] int32 (first head, heads in all) when the local heads are a slice of all heads (Ulysses):
+    # dropout then draws the mask of the global head index
+    head_slice: jnp.ndarray | None = None
 
 
-def block_range(info: TokenInfo) -> BlockRange:
-    seg_lo = seg_hi = segpos_lo = None
-    if info.seg is not None:
-        seg_lo, seg_hi = info.seg.min(), info.seg.max()
-    if info.segpos is not None:
-        segpos_lo = info.segpos.min()
-    return BlockRange(info.pos.min(), info.pos.max(), seg_lo, seg_hi, segpos_lo)
+@dataclasses.dataclass(frozen=True)
+class StepOptions(AttentionOptions):
+    """The options of the ring's extra sink step (never set by users).
+
+    Its keys are the sink tokens, and it counts only those the base rule hides: the other
+    steps, run with num_sink_tokens=0, count the keys the base rule shows.
+    """
+
+    sinks_only: bool = False
+
+    @classmethod
+    def sink_step(cls, opts: AttentionOptions) -> StepOptions:
+        return cls(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}, sinks_only=True)
+
+
+def _sinks_only(opts: AttentionOptions) -> bool:
+    return isinstance(opts, StepOptions) and opts.sinks_only
 
 
 def _and(*masks):
@@ -96,11 +111,11 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, 
     base = _and(_base(opts, q_pos, k_pos), same, chunk)
     if base is None:
         base = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
-    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+    if not opts.num_sink_tokens:
         return base
     # sink tokens: the first s tokens of the query's own segment, never in its future
     sink = _and(k_segpos < opts.num_sink_tokens, same, k_pos <= q_pos if opts.causal else None)
-    return base | sink if opts.sink_mode == "inline" else sink & ~base
+    return sink & ~base if _sinks_only(opts) else base | sink
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
@@ -121,12 +136,12 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
             base &= (k.pos_hi >= q.pos_lo - (c - 1)) & (k.pos_lo <= q.pos_hi + (c - 1))
         else:
             base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
-    if not opts.num_sink_tokens or opts.sink_mode == "exclude":
+    if not opts.num_sink_tokens:
         return base
     sink = same & (k.segpos_lo < opts.num_sink_tokens)
     if opts.causal:
         sink &= k.pos_lo <= q.pos_hi
-    return base | sink if opts.sink_mode == "inline" else sink
+    return sink if _sinks_only(opts) else base | sink
 
 
 def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
@@ -134,7 +149,7 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
 
     Kernels skip the element-wise mask on such block pairs.
     """
-    if opts.sink_mode == "only":
+    if _sinks_only(opts):
         return jnp.asarray(False)  # sinks the base rule hides: never a whole block
     ok = jnp.asarray(True)
     if opts.causal:
@@ -155,7 +170,7 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
 def may_skip(opts: AttentionOptions) -> bool:
     """Whether any block pair can be empty at all (static)."""
     return (opts.causal or opts.window is not None or opts.has_segments or opts.chunk_size is not None
-            or opts.sink_mode == "only")
+            or _sinks_only(opts))
 
 
 def logits(qk: jnp.ndarray, opts: AttentionOptions) -> jnp.ndarray:
@@ -189,6 +204,16 @@ def _fmix32(x):
     x *= jnp.uint32(0xC2B2AE35)
     x ^= x >> 16
     return x
+
+
+def dropout_batch_head(head_slice, batch_index, head_index, local_heads: int):
+    """The (batch, head) counter of the dropout hash: b * heads + h, in global head indices.
+
+    `batch_index` and `head_index` are local and broadcast; `head_slice` is `Extras.head_slice`.
+    """
+    if head_slice is None:
+        return batch_index * local_heads + head_index
+    return batch_index * head_slice[1] + head_slice[0] + head_index
 
 
 def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:

@@ -7,15 +7,50 @@ Rows that see no key carry lse = -inf and out = 0; merging keeps them exactly so
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+_LOG2E = 1.0 / math.log(2.0)
 
-def _safe(x):
-    # -inf - -inf is NaN; rows with no key at all keep weight 0 instead
-    return jnp.where(jnp.isfinite(x), x, 0.0)
+
+def finite_or_zero(lse):
+    """lse with -inf (rows that see no key) replaced by 0, so that lse - lse is 0 rather than NaN.
+
+    Such rows have every score masked: whatever they are shifted by, their probabilities stay 0.
+    """
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+
+def log_sum(m, total, *, base2: bool = False):
+    """lse = m + log(total) of a sum of exp(x - m) (exp2 with `base2`); -inf where total = 0 (no key)."""
+    seen = total > 0.0
+    safe = jnp.where(seen, total, 1.0)
+    lse = (m + jnp.log2(safe)) / _LOG2E if base2 else m + jnp.log(safe)
+    return jnp.where(seen, lse, -jnp.inf)
+
+
+def finish(acc, m, denom, *, base2: bool = False):
+    """Normalised output acc / denom and natural-log lse of an online softmax (running max m).
+
+    `denom` has acc's shape without head_dim, or with it as 1. Rows with denom 0 saw no key: out 0, lse -inf.
+    """
+    safe = jnp.where(denom > 0.0, denom, 1.0)
+    out = acc / (safe if safe.ndim == acc.ndim else safe[..., None])
+    return out, log_sum(m, denom, base2=base2)
+
+
+def add_sinks(out, lse, sinks):
+    """Let exp(sinks[h]) join every row's denominator: a key of value 0 seen by every query.
+
+    out [B, T, H, D], lse [B, H, T] float32, sinks [H]; rows that saw no key stay 0.
+    """
+    sink = sinks.astype(jnp.float32)[None, :, None]
+    new_lse = jnp.logaddexp(lse, sink)
+    scale = jnp.exp(lse - new_lse)  # 0 for rows that saw no key
+    return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
 
 
 def merge_attention(
@@ -35,22 +70,23 @@ def merge_attention_many(
     """Merge any number of partial results (the list form of `merge_attention`)."""
     if len(outs) != len(lses) or not outs:
         raise ValueError(f"need equally many outs and lses (at least one), got {len(outs)} and {len(lses)}")
-    for i, (o, l) in enumerate(zip(outs, lses)):
-        if o.ndim != 4 or l.shape != (o.shape[0], o.shape[2], o.shape[1]):
+    for i, (o, lse_i) in enumerate(zip(outs, lses)):
+        if o.ndim != 4 or lse_i.shape != (o.shape[0], o.shape[2], o.shape[1]):
             raise ValueError(
                 f"part {i}: out must be [batch, seq, heads, head_dim] and lse [batch, heads, seq], "
-                f"got {o.shape} and {l.shape}"
+                f"got {o.shape} and {lse_i.shape}"
             )
-    lses32 = [l.astype(jnp.float32) for l in lses]
+    lses32 = [lse_i.astype(jnp.float32) for lse_i in lses]
     m = lses32[0]
-    for l in lses32[1:]:
-        m = jnp.maximum(m, l)
-    m_safe = _safe(m)
-    total = sum(jnp.exp(l - m_safe) for l in lses32)
-    lse = jnp.where(total > 0, m_safe + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    lse_safe = _safe(lse)
-    out = 0.0
-    for o, l in zip(outs, lses32):
-        w = jnp.exp(l - lse_safe)  # [B, H, T]; 0 where l = -inf
-        out = out + o.astype(jnp.float32) * jnp.swapaxes(w, 1, 2)[..., None]
+    for lse_i in lses32[1:]:
+        m = jnp.maximum(m, lse_i)
+    m_safe = finite_or_zero(m)
+    lse = log_sum(m_safe, sum(jnp.exp(lse_i - m_safe) for lse_i in lses32))
+    lse_safe = finite_or_zero(lse)
+    # weights exp(lse_i - lse) [B, H, T]; 0 where lse_i = -inf
+    parts = [o.astype(jnp.float32) * jnp.swapaxes(jnp.exp(lse_i - lse_safe), 1, 2)[..., None]
+             for o, lse_i in zip(outs, lses32)]
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
     return out.astype(outs[0].dtype), lse

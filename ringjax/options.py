@@ -37,9 +37,11 @@ class AttentionOptions:
     has_alibi: bool = False
     dropout_rate: float = 0.0
     num_sink_tokens: int = 0
-    # which part of the sink-token rule a ring step applies: "inline" (base | sinks),
-    # "exclude" (base only) or "only" (sinks the base rule hides); set by the ring
-    sink_mode: str = "inline"
+    # K/V of the whole axis gathered once (the all_gather strategy) instead of travelling the ring
+    gather_kv: bool = False
+    # a device holds `subshards` layout shards of axis_size * subshards: shards i * axis_size + r
+    # (i < subshards), concatenated; what a Ulysses all-to-all over a major axis leaves (strategies.py)
+    subshards: int = 1
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -66,13 +68,25 @@ class AttentionOptions:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.num_sink_tokens < 0:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
-        if self.sink_mode not in ("inline", "exclude", "only"):
-            raise ValueError(f"sink_mode must be inline, exclude or only, got {self.sink_mode!r}")
+        if self.subshards < 1:
+            raise ValueError(f"subshards must be >= 1, got {self.subshards}")
 
     @property
     def shards_per_device(self) -> int:
-        """How many contiguous chunks of the global sequence one device holds."""
-        return 2 if self.layout == "zigzag" else 1
+        """How many separately placed runs (zigzag chunks, subshards) a device's tokens form; blocks never
+        straddle two."""
+        return chunks_per_shard(self.layout) * self.subshards
+
+
+def chunks_per_shard(layout: str) -> int:
+    """How many contiguous chunks of the global sequence one layout shard holds (zigzag: 2)."""
+    return 2 if layout == "zigzag" else 1
+
+
+def sequence_chunks(layout: str, axis_size: int) -> int:
+    """How many equal chunks `layout` cuts a global sequence into on `axis_size` devices:
+    its length must be a multiple of this."""
+    return axis_size * chunks_per_shard(layout)
 
 
 def _static_number(value: Any, name: str, kind: type) -> Any:
@@ -94,11 +108,9 @@ def normalize_window(sliding_window, causal: bool) -> tuple[int, int] | None:
         right = _static_number(sliding_window[1], "sliding_window[1]", int)
     else:
         left = right = _static_number(sliding_window, "sliding_window", int)
-    if left < 0 or right < 0:
-        raise ValueError(f"sliding_window must be non-negative, got {sliding_window!r}")
     if causal:
         right = 0
-    return (left, right)
+    return (left, right)  # AttentionOptions checks the values
 
 
 def _is_float(dtype) -> bool:
@@ -136,9 +148,9 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
     kv_heads = k.shape[2]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    chunks = sequence_chunks(layout, axis_size)
     if local:
-        if layout == "zigzag" and seq % 2:
+        if seq % chunks_per_shard(layout):
             raise ValueError(f"zigzag layout needs an even local sequence length, got {seq}")
     elif seq % chunks:
         what = "2 x the axis size" if layout == "zigzag" else "the axis size"
@@ -189,11 +201,11 @@ def make_options(
     dropout_rate=0.0,
     num_sink_tokens=0,
 ) -> AttentionOptions:
-    """Turn user keyword arguments into one validated AttentionOptions."""
+    """Turn user keyword arguments into one AttentionOptions: types are converted here, values checked there."""
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a str, one of {LAYOUTS}, got {type(layout).__name__}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     softmax_scale = _static_number(softmax_scale, "softmax_scale", float)
@@ -201,14 +213,8 @@ def make_options(
         logits_soft_cap = _static_number(logits_soft_cap, "logits_soft_cap", float)
     if chunk_size is not None:
         chunk_size = _static_number(chunk_size, "chunk_size", int)
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     dropout_rate = _static_number(dropout_rate, "dropout_rate", float)
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     num_sink_tokens = _static_number(num_sink_tokens, "num_sink_tokens", int)
-    if num_sink_tokens < 0:
-        raise ValueError(f"num_sink_tokens must be >= 0, got {num_sink_tokens}")
     return AttentionOptions(
         causal=causal,
         window=normalize_window(sliding_window, causal),

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int
 from ringjax import calling
 from ringjax.api import ring_attention
 from ringjax.layouts import local_positions
+from ringjax.options import chunks_per_shard, sequence_chunks
 
 
 def _check_packed(x, name: str, parts: int, shape_text: str) -> None:
@@ -108,12 +109,12 @@ def ring_attention_varlen(
     local_len = q.shape[0]
     if mode == "local":
         total = local_len * axis_size
-        if layout == "zigzag" and local_len % 2:
+        if local_len % chunks_per_shard(layout):
             raise ValueError(f"zigzag layout needs an even local sequence length, got {local_len}")
         pos = local_positions(layout, lax.axis_index(axis_name), axis_size, local_len)
     else:
         total = local_len
-        chunks = axis_size * (2 if layout == "zigzag" else 1)
+        chunks = sequence_chunks(layout, axis_size)
         if mode == "global" and total % chunks:
             raise ValueError(f"total_tokens {total} must be divisible by {chunks} (axis size, layout {layout!r})")
         pos = jnp.asarray(_global_order_positions(layout, axis_size, total) if mode == "global"

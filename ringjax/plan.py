@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ringjax.options import LAYOUTS, chunks_per_shard, sequence_chunks
+
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
@@ -36,32 +38,33 @@ class Chip:
     hbm_bandwidth: float
     link_bandwidth: float
     vmem_budget: int | None = None  # bytes of VMEM a kernel may use by default (TPU)
+    hbm_bytes: float = 0.0  # HBM capacity; 0: unknown (no memory limit is applied)
 
 
 CHIPS = {
     # TPU v4: 275 TFLOP/s bf16, 1200 GB/s HBM (cloud.google.com/tpu/docs/v4). ICI: 6 links of
     # 50 GB/s per direction (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer
     # for Machine Learning...", ISCA 2023); the scaling book lists 45 GB/s one-way per link.
-    "tpu_v4": Chip("TPU v4", "tpu", 275e12, 1200e9, 45e9, vmem_budget=16 << 20),
+    "tpu_v4": Chip("TPU v4", "tpu", 275e12, 1200e9, 45e9, vmem_budget=16 << 20, hbm_bytes=32 * 2**30),
     # TPU v5e: 197 TFLOP/s bf16, 819 GB/s HBM, 400 GB/s bidirectional ICI per chip over 4 ports
     # (cloud.google.com/tpu/docs/v5e): 50 GB/s one-way per link.
-    "tpu_v5e": Chip("TPU v5e", "tpu", 197e12, 819e9, 50e9, vmem_budget=16 << 20),
+    # HBM capacities: 32 GiB (v4), 16 GiB (v5e), 95 GiB (v5p), 32 GiB (v6e), from the same pages
+    "tpu_v5e": Chip("TPU v5e", "tpu", 197e12, 819e9, 50e9, vmem_budget=16 << 20, hbm_bytes=16 * 2**30),
     # TPU v5p: 459 TFLOP/s bf16, 2765 GB/s HBM, 1200 GB/s bidirectional ICI per chip over 6 ports
     # of a 3D torus (cloud.google.com/tpu/docs/v5p): 100 GB/s one-way per link.
-    "tpu_v5p": Chip("TPU v5p", "tpu", 459e12, 2765e9, 100e9, vmem_budget=16 << 20),
+    "tpu_v5p": Chip("TPU v5p", "tpu", 459e12, 2765e9, 100e9, vmem_budget=16 << 20, hbm_bytes=95 * 2**30),
     # TPU v6e (Trillium): 918 TFLOP/s bf16, 1638 GB/s HBM, 800 GB/s bidirectional ICI per chip over
     # 4 ports (cloud.google.com/tpu/docs/v6e): 100 GB/s one-way per link.
-    "tpu_v6e": Chip("TPU v6e", "tpu", 918e12, 1638e9, 100e9, vmem_budget=32 << 20),
+    "tpu_v6e": Chip("TPU v6e", "tpu", 918e12, 1638e9, 100e9, vmem_budget=32 << 20, hbm_bytes=32 * 2**30),
     # H100 SXM: 989 TFLOP/s dense bf16 (the datasheet's 1979 is with sparsity), 3.35 TB/s HBM3,
     # NVLink 4 at 900 GB/s bidirectional (NVIDIA H100 datasheet): through NVSwitch a peer gets
-    # all 18 links, 450 GB/s one way.
-    "h100": Chip("H100 SXM", "gpu", 989e12, 3350e9, 450e9),
-    # H200 SXM: same compute and NVLink as H100, 4.8 TB/s HBM3e (NVIDIA H200 datasheet).
-    "h200": Chip("H200 SXM", "gpu", 989e12, 4800e9, 450e9),
+    # all 18 links, 450 GB/s one way. 80 GB HBM3.
+    "h100": Chip("H100 SXM", "gpu", 989e12, 3350e9, 450e9, hbm_bytes=80e9),
+    # H200 SXM: same compute and NVLink as H100, 4.8 TB/s and 141 GB of HBM3e (NVIDIA H200 datasheet).
+    "h200": Chip("H200 SXM", "gpu", 989e12, 4800e9, 450e9, hbm_bytes=141e9),
 }
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2}
-_LAYOUTS = ("contiguous", "zigzag", "striped")
 # fraction of peak a good attention kernel reaches: cuDNN reached 570-600 TFLOP/s of 989 on an
 # H200 at 32K tokens (shared/anchors.md, 2026-11-21); nothing is measured on TPU yet
 DEFAULT_EFFICIENCY = 0.6
@@ -152,7 +155,7 @@ def _divisors(n: int, candidates) -> list[int]:
 
 def _blocks(chip: Chip, local_seq: int, groups: int, head_dim: int, itemsize: int, layout: str):
     """Largest tiles that fit the chip's VMEM budget (TPU) or the usual Hopper tiles (GPU)."""
-    unit = local_seq // (2 if layout == "zigzag" else 1)
+    unit = local_seq // chunks_per_shard(layout)
     if chip.kind == "gpu":
         bq = max(_divisors(unit, (64, 128)) or [unit])
         return bq, max(_divisors(unit, (64, 128)) or [unit])
@@ -212,9 +215,9 @@ def plan(
         raise ValueError(f"backward_flop_factor must be positive, got {backward_flop_factor}")
     recommended = "zigzag" if causal else "contiguous"
     layout = recommended if layout is None else layout
-    if layout not in _LAYOUTS:
-        raise ValueError(f"layout must be one of {_LAYOUTS} or None, got {layout!r}")
-    chunks = ring_size * (2 if layout == "zigzag" else 1)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    chunks = sequence_chunks(layout, ring_size)
     if seq_len % chunks:
         raise ValueError(f"seq_len {seq_len} must be divisible by {chunks} for layout {layout!r}")
 
@@ -273,3 +276,224 @@ def plan(
         bwd_transfer_s=bwd_transfer, fwd_total_s=fwd_total, bwd_total_s=bwd_total,
         min_local_seq_to_hide=math.ceil(min_t), recommended_layout=recommended, notes=tuple(notes),
     )
+
+
+# ---------------------------------------------------------------------------- strategies
+
+# share of HBM that a strategy's own buffers may take before "auto" rules it out: the rest
+# holds parameters, optimizer state and activations
+DEFAULT_MEMORY_FRACTION = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategyCost:
+    """Predicted cost of one context-parallel strategy on one device (seconds, bytes)."""
+
+    strategy: str
+    fwd_s: float
+    bwd_s: float  # the backward alone
+    comm_s: float  # forward + backward collective time not hidden under compute
+    memory_bytes: float  # buffers beyond the local q, k, v, out and their gradients (backward peak)
+    fits: bool  # memory_bytes within memory_fraction of HBM
+    note: str = ""  # why it cannot run, or what dominates
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def _collective_s(chip: Chip, kind: str, bytes_in: float, n: int) -> float:
+    """Time for every device to receive `bytes_in` in an all-gather or reduce-scatter ("gather") or an
+    all-to-all ("a2a") over n devices."""
+    if n == 1 or bytes_in == 0:
+        return 0.0
+    if chip.kind == "gpu":
+        return bytes_in / chip.link_bandwidth  # NVSwitch: every peer at the full link rate
+    # TPU: the axis is a bidirectional ring of ICI links. A gather streams both ways; in an
+    # all-to-all the average message travels n/4 hops, so each of the 2n links carries n/8 of a shard
+    if kind == "gather":
+        return bytes_in / (2 * chip.link_bandwidth)
+    return max(bytes_in / (2 * chip.link_bandwidth), bytes_in * n / (n - 1) * n / (8 * chip.link_bandwidth))
+
+
+def _flash_s(chip: Chip, rate: float, flops: float, q_bytes: float, kv_bytes: float, q_tokens: int, block_q: int,
+             reads: int, fraction: float) -> float:
+    """One flash-attention call: FLOPs at `rate` or HBM traffic (K/V re-read per query tile), whichever is slower."""
+    hbm = (reads * kv_bytes * math.ceil(q_tokens / block_q) + 2 * q_bytes) * fraction
+    return max(flops / rate, hbm / chip.hbm_bandwidth)
+
+
+def strategy_costs(
+    chip: str | Chip,
+    *,
+    devices: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str = "bfloat16",
+    causal: bool = True,
+    layout: str = "contiguous",
+    batch: int = 1,
+    hybrid: tuple[int, int] | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    backward_flop_factor: float = 2.5,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+) -> tuple[StrategyCost, ...]:
+    """Predict ring, all_gather and ulysses over `devices` chips (and hybrid, given (head, ring) sizes).
+
+    Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
+    - ring: `plan` (per-step compute against the K/V transfer it hides), plus the lse merge of
+      each step's float32 output (backward: the dQ accumulation) in HBM;
+    - all_gather: gather (devices - 1) K/V shards, then t queries against all keys; backward gathers
+      again and reduce-scatters float32 dK/dV. Causal work is the slowest device's: (N - 1/2) / N
+      of the keys on the contiguous layout, half on zigzag and striped;
+    - ulysses: all-to-all of q, k, v in and out (dout in, dq, dk, dv out backward), each device
+      attending its heads / N heads over the whole sequence (causal work always balanced); K/V heads
+      repeated up to lcm(kv_heads, N); needs heads divisible by N;
+    - hybrid (h, r): ulysses over h devices, then the ring over r with heads / h heads.
+    Collectives are not overlapped with compute. Memory counts gathered or all-to-all copies and
+    the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
+    """
+    if isinstance(chip, str):
+        if chip not in CHIPS:
+            raise ValueError(f"chip must be one of {sorted(CHIPS)} or a Chip, got {chip!r}")
+        chip = CHIPS[chip]
+    for name, value in (("devices", devices), ("seq_len", seq_len), ("heads", heads), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim), ("batch", batch)):
+        _check_int(name, value)
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if hybrid is not None:
+        if (not isinstance(hybrid, tuple) or len(hybrid) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
+                                                                    or x < 1 for x in hybrid)
+                or hybrid[0] * hybrid[1] != devices):
+            raise ValueError(f"hybrid must be (head_devices, ring_devices) with product devices={devices}, "
+                             f"got {hybrid!r}")
+    ring = plan(chip, ring_size=devices, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                dtype=dtype, causal=causal, layout=layout, batch=batch, efficiency=efficiency,
+                backward_flop_factor=backward_flop_factor)
+    n, t, s = devices, seq_len // devices, _ITEMSIZE[dtype]
+    rate = chip.peak_flops * efficiency
+    budget = memory_fraction * chip.hbm_bytes if chip.hbm_bytes else math.inf
+    q_loc = batch * t * heads * head_dim * s
+    kv_loc = 2.0 * batch * t * kv_heads * head_dim * s
+    half = 0.5 if causal else 1.0
+    f32 = 4.0 / s
+    costs = []
+
+    # ring: plan's steps, plus merging each later step's float32 partial output (read two, write one)
+    merges = (n - 1) * 3 * batch * t * heads * head_dim * 4 / chip.hbm_bandwidth
+    costs.append(_cost("ring", ring.fwd_total_s + merges, ring.bwd_total_s + merges, _ring_exposed(ring, kv_loc * f32),
+                       2 * kv_loc * (1 + f32), budget, ""))
+
+    # all_gather: t queries against the whole sequence; causal balance as the layout gives it
+    if not causal:
+        frac = 1.0
+    elif layout == "contiguous":
+        frac = (n - 0.5) / n
+    else:
+        frac = 0.5
+    flops = 4.0 * batch * heads * t * seq_len * head_dim * frac
+    compute = _flash_s(chip, rate, flops, q_loc, n * kv_loc, t, ring.block_q, 1, frac)
+    compute_bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_loc, n * kv_loc, t, ring.block_q, 2, frac)
+    gather = _collective_s(chip, "gather", (n - 1) * kv_loc, n)
+    scatter = _collective_s(chip, "gather", (n - 1) * kv_loc * f32, n)
+    costs.append(_cost("all_gather", gather + compute, gather + compute_bwd + scatter, 2 * gather + scatter,
+                       n * kv_loc * (1 + f32), budget, "K/V of the whole sequence on every device"))
+
+    def ulysses(name, h, inner):
+        """Costs of an all-to-all over h devices around `inner`: (fwd, bwd, comm, memory) of the attention."""
+        if heads % h:
+            return StrategyCost(name, math.inf, math.inf, math.inf, math.inf, False,
+                                f"heads ({heads}) not divisible by {h} devices")
+        kv_rep = kv_loc * math.lcm(kv_heads, h) / kv_heads
+        share = (h - 1) / h
+        a2a_in = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
+        a2a_out = _collective_s(chip, "a2a", share * (q_loc + batch * heads * t * 4), h)
+        a2a_dout = _collective_s(chip, "a2a", share * q_loc, h)
+        a2a_grads = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
+        fwd, bwd, comm, memory = inner(heads // h, math.lcm(kv_heads, h) // h, kv_rep)
+        copies = 3 * q_loc + kv_rep + (q_loc + kv_rep) * f32  # q, out, dout, k, v; f32 dq, dk, dv
+        note = f"K/V heads repeated {math.lcm(kv_heads, h) // kv_heads}x" if kv_heads % h else ""
+        return _cost(name, a2a_in + fwd + a2a_out, a2a_dout + bwd + a2a_grads,
+                     a2a_in + a2a_out + a2a_dout + a2a_grads + comm, copies + memory, budget, note)
+
+    def whole_sequence(h_loc, kvh_loc, kv_rep):
+        flops = 4.0 * batch * h_loc * seq_len * seq_len * head_dim * half
+        q_bytes = batch * seq_len * h_loc * head_dim * s
+        fwd = _flash_s(chip, rate, flops, q_bytes, kv_rep, seq_len, ring.block_q, 1, half)
+        bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_bytes, kv_rep, seq_len, ring.block_q, 2, half)
+        return fwd, bwd, 0.0, 0.0
+
+    costs.append(ulysses("ulysses", n, whole_sequence))
+
+    if hybrid is not None:
+        h, r = hybrid
+
+        def inner_ring(h_loc, kvh_loc, kv_rep):
+            # the head-major split leaves each ring device h blocks spread over the sequence: causal
+            # work is close to balanced, as with striped
+            p = plan(chip, ring_size=r, seq_len=seq_len, heads=h_loc, kv_heads=kvh_loc, head_dim=head_dim,
+                     dtype=dtype, causal=causal, layout=layout if h == 1 else "striped", batch=batch,
+                     efficiency=efficiency, backward_flop_factor=backward_flop_factor)
+            merge = (r - 1) * 3 * batch * seq_len // r * h_loc * head_dim * 4 / chip.hbm_bandwidth
+            return p.fwd_total_s + merge, p.bwd_total_s + merge, _ring_exposed(p, kv_rep * f32), 2 * kv_rep * (1 + f32)
+
+        costs.append(ulysses("hybrid", h, inner_ring))
+    return tuple(costs)
+
+
+def _ring_exposed(p: Plan, dkv_bytes: float) -> float:
+    """Transfer time of a ring that compute does not hide, forward and backward (with dK/dV's trip home)."""
+    if p.ring_size == 1:
+        return 0.0
+    steps = p.ring_size - 1
+    return (max(0.0, p.fwd_transfer_s - p.fwd_compute_s) + max(0.0, p.bwd_transfer_s - p.bwd_compute_s)) * steps \
+        + dkv_bytes / p.chip.link_bandwidth
+
+
+def _cost(name, fwd, bwd, comm, memory, budget, note) -> StrategyCost:
+    fits = memory <= budget
+    if not fits:
+        note = f"needs {memory / 2**30:.1f} GiB, over the memory budget of {budget / 2**30:.1f} GiB"
+    return StrategyCost(name, fwd, bwd, comm, memory, fits, note)
+
+
+# the model cannot tell strategies apart by less than this: the ring (least memory, no
+# collective outside the overlap) is kept unless another is predicted faster by more
+TIE_TOLERANCE = 0.05
+
+
+def best_strategy(costs, tolerance: float = TIE_TOLERANCE) -> StrategyCost:
+    """The fastest (forward + backward) strategy that fits, the ring unless another is faster by more
+    than `tolerance`; the ring if none fits."""
+    ring = next(c for c in costs if c.strategy == "ring")
+    ok = [c for c in costs if c.fits and math.isfinite(c.total_s)]
+    if not ok:
+        return ring
+    best = min(ok, key=lambda c: c.total_s)
+    return ring if ring in ok and ring.total_s <= best.total_s * (1 + tolerance) else best
+
+
+def chip_for(device_kind: str) -> Chip | None:
+    """The CHIPS entry for a jax `device_kind` string (e.g. "NVIDIA H200"), or None if unknown."""
+    kind = device_kind.lower()
+    for needle, key in (("h100", "h100"), ("h200", "h200"), ("tpu v4", "tpu_v4"), ("tpu v5 lite", "tpu_v5e"),
+                        ("tpu v5e", "tpu_v5e"), ("tpu v5p", "tpu_v5p"), ("tpu v5", "tpu_v5p"),
+                        ("tpu v6 lite", "tpu_v6e"), ("tpu v6e", "tpu_v6e")):
+        if needle in kind:
+            return CHIPS[key]
+    return None
+
+
+def strategy_table(costs) -> str:
+    """Costs as a fixed-width table (milliseconds, GiB)."""
+    lines = [f"{'strategy':<11} {'fwd ms':>9} {'bwd ms':>9} {'total ms':>9} {'comm ms':>8} {'mem GiB':>8}  note"]
+    for c in costs:
+        if not math.isfinite(c.total_s):
+            lines.append(f"{c.strategy:<11} {'-':>9} {'-':>9} {'-':>9} {'-':>8} {'-':>8}  {c.note}")
+            continue
+        lines.append(f"{c.strategy:<11} {c.fwd_s * 1e3:9.3f} {c.bwd_s * 1e3:9.3f} {c.total_s * 1e3:9.3f} "
+                     f"{c.comm_s * 1e3:8.3f} {c.memory_bytes / 2**30:8.2f}  {c.note}")
+    return "\n".join(lines)

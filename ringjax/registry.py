@@ -62,6 +62,30 @@ class Implementation(Protocol):
         """Per-device, differentiable: (out, lse). `extras` is a masks.Extras."""
 
 
+def unknown_options(opts: AttentionOptions, known: frozenset[str]) -> list[str]:
+    """Options set away from their defaults that are not in `known`.
+
+    Every implementation lists the options it implements, so a feature added to
+    AttentionOptions later is refused by each implementation until it learns it.
+    """
+    out = []
+    for field in dataclasses.fields(opts):
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if field.name not in known and getattr(opts, field.name) != default:
+            out.append(field.name)
+    return out
+
+
+def check_interpret(name: str, interpret: bool, config) -> None:
+    """A kernel implementation and its interpreter twin each run only configs that say which they are."""
+    if config.interpret == interpret:
+        return
+    kind = type(config).__name__
+    if interpret:
+        raise ValueError(f"{name} runs the kernels in the Pallas interpreter: pass {kind}(interpret=True)")
+    raise ValueError(f"{name} compiles the kernels: pass {kind}(interpret=False), or use {name}_interpret")
+
+
 def run_per_device(impl: Implementation, problem: Problem, config, q, k, v, seg, sinks, extras):
     """Run `impl` on one device's shards, inside shard_map or on one device."""
     from ringjax import _compat
@@ -117,7 +141,7 @@ def current_platform() -> str:
     return jax.default_backend()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def current_device_kind(platform: str | None = None) -> str:
     """`device_kind` of the first device of `platform` (default backend if None)."""
     return str(jax.devices(platform)[0].device_kind)

@@ -33,17 +33,19 @@ def token_positions(seq_len: int, *, axis_name: str | None, layout: str = "conti
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if axis_name is None:
         return jnp.arange(seq_len, dtype=jnp.int32)
-    size = _compat.axis_size_or_none(axis_name)
-    if size is not None:
-        return local_positions(layout, lax.axis_index(axis_name), size, seq_len)
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)  # a pair: major first
+    sizes = [_compat.axis_size_or_none(name) for name in names]
+    if all(size is not None for size in sizes):
+        return local_positions(layout, lax.axis_index(names), int(np.prod(sizes)), seq_len)
     mesh = _compat.context_mesh()
-    if mesh is None or axis_name not in mesh.axis_names:
+    if mesh is None or any(name not in mesh.axis_names for name in names):
         raise ValueError(
             f"axis_name {axis_name!r} is not bound: call inside jax.shard_map over a mesh with that axis, "
             "or on global arrays under jax.set_mesh(mesh), or pass axis_name=None for an unsharded sequence"
         )
     with jax.ensure_compile_time_eval():  # a constant permutation, even while tracing under jit
-        order = to_layout(np.arange(seq_len, dtype=np.int32)[None], layout, int(mesh.shape[axis_name]), axis=1)
+        size = int(np.prod([mesh.shape[name] for name in names]))
+        order = to_layout(np.arange(seq_len, dtype=np.int32)[None], layout, size, axis=1)
     return jnp.asarray(order[0])
 
 

@@ -47,7 +47,8 @@ def reach(opts: AttentionOptions) -> tuple[int, int] | None:
 def ring_plan(opts: AttentionOptions, local_len: int) -> RingPlan:
     n = opts.axis_size
     span = reach(opts)
-    if opts.layout == "contiguous" and span is not None:
+    # with subshards a device's tokens are spread over the sequence: every shard may be in reach
+    if opts.layout == "contiguous" and opts.subshards == 1 and span is not None:
         left, right = span
         back = -(-left // local_len)  # ceil: shards behind that the window reaches
         ahead = -(-right // local_len)

@@ -67,6 +67,7 @@ def test_global_mode_keeps_batch_and_heads_sharded():
 
 def test_auto_axes_mesh():
     x = make_inputs(14, seq=16)
+    mesh_of(4)  # skips where fewer devices exist
     mesh = jax.make_mesh((4,), ("sp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:4])
     with jax.set_mesh(mesh):
         out = jax.jit(lambda q, k, v: ringjax.ring_attention(q, k, v, causal=True))(*_arrays(x))

@@ -50,7 +50,8 @@ def test_key_holds_everything_that_changes_the_kernel():
     assert key["dtype"] == "float32" and key["axis_size"] == 4 and key["device_kind"] == "cpu"
     assert key["features"] == {"causal": True, "window": [8, 0], "has_segments": False, "logits_soft_cap": False,
                                "has_sinks": False, "layout": "zigzag", "gqa_ratio": 2, "chunk_size": None,
-                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0, "sink_mode": "inline"}
+                               "has_alibi": False, "dropout_rate": 0.0, "num_sink_tokens": 0,
+                               "gather_kv": False, "subshards": 1}
     assert key["versions"] == {"jax": jax.__version__, "jaxlib": key["versions"]["jaxlib"],
                                "ringjax": ringjax.__version__, "schema": cache.SCHEMA_VERSION}
     base = _problem()
@@ -58,6 +59,7 @@ def test_key_holds_everything_that_changes_the_kernel():
         _problem(causal=True), _problem(window=(4, 4)), _problem(has_segments=True), _problem(logits_soft_cap=30.0),
         _problem(has_sinks=True), _problem(layout="striped"), _problem(axis_size=2, axis_name="sp"),
         _problem(chunk_size=16), _problem(has_alibi=True), _problem(dropout_rate=0.1), _problem(num_sink_tokens=4),
+        _problem(gather_kv=True), _problem(subshards=2),
         dataclasses.replace(base, kv_heads=4), dataclasses.replace(base, seq=64), dataclasses.replace(base, dtype="bfloat16"),
         dataclasses.replace(base, device_kind="TPU v5 lite"),
     ]
@@ -154,7 +156,7 @@ def test_bad_file_found_by_a_writer_is_replaced(cache_dir):
     assert cache.lookup("ring_attention", "xla", _problem()) is not None
 
 
-@pytest.mark.parametrize("module", [ringjax, jax])
+@pytest.mark.parametrize("module", [ringjax._version, jax])
 def test_version_bump_invalidates(monkeypatch, module):
     p = _problem()
     cache.user_store("cpu").put(_entry(p))
@@ -191,7 +193,7 @@ def test_export_import_and_shipped(cache_dir, tmp_path, monkeypatch, capsys):
     found = cache.lookup("ring_attention", "xla", p)
     assert found[0] == "shipped" and found[1]["config"] == {"block_q": 8, "block_kv": 16}
     # a shipped config survives a version bump; user entries do not
-    monkeypatch.setattr(ringjax, "__version__", "99.0.0")
+    monkeypatch.setattr(ringjax._version, "__version__", "99.0.0")
     assert cache.lookup("ring_attention", "xla", p)[0] == "shipped"
     # importing a portable file adopts it for the installed versions, ahead of shipped ones
     assert cli(["cache", "import", str(shipped / "cpu.json")]) == 0
@@ -228,3 +230,22 @@ def test_shipped_files_are_valid():
         doc = cache.read_document(path)
         for entry in doc["entries"].values():
             assert "versions" not in entry["key"], f"{path.name}: shipped keys must be portable"
+
+
+def test_cli_list_clear_and_implementations_tell_the_truth(cache_dir, capsys):
+    assert not cache_dir.exists()
+    assert cli(["cache", "list"]) == 0
+    assert "does not exist yet" in capsys.readouterr().out
+    cache.user_store("cpu").put(_entry(_problem()))
+    assert sorted(p.name for p in cache_dir.iterdir()) == ["cpu.json", "cpu.json.lock"]
+    assert cli(["cache", "list"]) == 0
+    assert "does not exist" not in capsys.readouterr().out
+    assert cli(["cache", "clear"]) == 0
+    assert list(cache_dir.iterdir()) == [], "clear leaves no file behind, lock included"
+    cache.user_store("cpu").put(_entry(_problem()))  # the store still works after its lock was removed
+    assert cache.lookup("ring_attention", "xla", _problem())[0] == "persistent"
+    capsys.readouterr()
+    assert cli(["implementations"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    columns = {line.index(line.split()[1]) for line in lines}  # the priority column starts at one offset
+    assert len(lines) >= 4 and len(columns) == 1

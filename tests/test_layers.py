@@ -209,3 +209,45 @@ def test_core_import_does_not_import_optional_packages():
             "bad = [m for m in ('flax', 'equinox', 'optax', 'matplotlib', 'tqdm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@needs_flax
+def test_linen_attributes_are_the_layer_config_fields():
+    """Linen declares its attributes; they must stay the config's fields (but in_features), defaults included."""
+    import dataclasses
+
+    from ringjax._attention_layer import AttentionLayerConfig
+    from ringjax.flax import LinenMultiHeadAttention
+
+    config = {f.name: f.default for f in dataclasses.fields(AttentionLayerConfig) if f.name != "in_features"}
+    linen = {f.name: f.default for f in dataclasses.fields(LinenMultiHeadAttention) if f.name in config}
+    assert linen == config
+
+
+@pytest.mark.parametrize("framework", [pytest.param("nnx", marks=needs_flax),
+                                       pytest.param("equinox", marks=needs_equinox)])
+def test_layer_takes_a_config_or_its_fields(framework):
+    from ringjax._attention_layer import AttentionLayerConfig
+
+    if framework == "nnx":
+        from flax import nnx
+
+        from ringjax.flax import MultiHeadAttention
+
+        make = lambda *a, **kw: MultiHeadAttention(*a, rngs=nnx.Rngs(0), **kw)  # noqa: E731
+    else:
+        from ringjax.equinox import MultiHeadAttention
+
+        make = lambda *a, **kw: MultiHeadAttention(*a, key=jax.random.key(0), **kw)  # noqa: E731
+    config = AttentionLayerConfig(in_features=16, num_heads=4, num_kv_heads=2, causal=True, axis_name=None)
+    by_fields = make(16, 4, num_kv_heads=2, causal=True, axis_name=None)
+    by_config = make(config=config)
+    assert by_fields.config == by_config.config == config
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, 16)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(by_fields(x)), np.asarray(by_config(x)))
+    with pytest.raises(TypeError, match="not both"):
+        make(16, config=config)
+    with pytest.raises(TypeError, match="not both"):
+        make(config=config, causal=False)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        make(16, 4, num_kv_head=2)

@@ -18,9 +18,10 @@ from ringjax.pallas.gpu import GpuConfig
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas_gpu" if ON_GPU else "pallas_gpu_interpret"
 # smallest legal blocks, so tiny shards still have several blocks per step
-SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16)
+SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
+                  interpret=not ON_GPU)
 FUSED = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
-                  bwd_fused=True)
+                  bwd_fused=True, interpret=not ON_GPU)
 
 CASES = [
     # (devices, layout, dtype, input kwargs, attention kwargs)
@@ -166,3 +167,70 @@ def test_kernels_lower_to_triton_for_cuda():
                                                           AttentionOptions(causal=True, softmax_scale=0.1), fused)),
                              platforms=["cuda"], disabled_checks=[check])(*args[:6])
     assert exported.mlir_module().count("xla.gpu.triton") == 1
+
+
+# ----------------------------------------------------------------------------- shared memory (issue 12, defect 2)
+
+SM90, SM80, SM86 = 232448, 166912, 101376  # bytes of shared memory per block on H100/H200, A100, RTX 30/40
+
+
+def test_shared_memory_estimate_covers_the_measured_request():
+    """float32, head_dim 128, 128 x 128 x 3 stages asked an H200 for 394240 bytes and failed to compile."""
+    from ringjax.pallas.gpu import config as cfg
+
+    need = cfg.shared_memory_bytes(GpuConfig(), head_dim=128, itemsize=4)["forward"]
+    assert need >= 394240
+    assert cfg.over_limit(GpuConfig(), 128, 4, SM90) is not None
+
+
+@pytest.mark.parametrize("limit", [SM90, SM80, SM86])
+@pytest.mark.parametrize("dtype, head_dim", [("float32", 128), ("float32", 256), ("bfloat16", 256),
+                                             ("float16", 128), ("bfloat16", 64)])
+def test_every_supported_shape_gets_a_fitting_config(dtype, head_dim, limit):
+    from ringjax.pallas.gpu import config as cfg
+
+    itemsize = jnp.dtype(dtype).itemsize
+    fitted = cfg.fit(GpuConfig(), head_dim, itemsize, limit)
+    assert fitted is not None and cfg.over_limit(fitted, head_dim, itemsize, limit) is None
+    # only tiles and stages shrink; a config that fits is kept as it is
+    assert (fitted.num_warps, fitted.bwd_num_warps, fitted.bwd_fused) == (8, 4, False)
+    assert cfg.fit(fitted, head_dim, itemsize, limit) == fitted
+
+
+def test_fitting_keeps_the_measured_bf16_config_and_shrinks_float32():
+    """bf16 / head_dim 128 keeps the tiles measured fastest on an H200; float32 gets smaller key blocks."""
+    impl = registry.choose("ring_attention", "pallas_gpu", _problem())[1]
+    assert impl.default_config(_problem()) == GpuConfig()
+    fp32 = impl.default_config(_problem(dtype="float32"))
+    assert (fp32.block_q, fp32.block_kv, fp32.num_stages) == (128, 64, 2)
+    for config in impl.candidate_configs(_problem(dtype="float32")):
+        assert ringjax.pallas.gpu.config.over_limit(config, 128, 4, SM90) is None
+
+
+def test_refusals_name_the_limit():
+    from ringjax.pallas.gpu import refusal
+
+    assert refusal(_problem(dtype="float32"), (9, 0), SM90) is None
+    why = refusal(_problem(dtype="float32", head_dim=256), (9, 0), 40000)
+    assert "shared memory" in why and "40000" in why
+    assert "compute capability >= 8.0" in refusal(_problem(), (7, 5), 65536)
+
+
+def test_explicit_config_that_does_not_fit_is_refused_before_running():
+    x = make_inputs(41, batch=1, seq=256, heads=2, kv_heads=1, head_dim=128)
+    q, k, v = (jnp.asarray(x[name]) for name in ("q", "k", "v"))
+    too_big = GpuConfig(interpret=not ON_GPU)  # 128 x 128 tiles, 3 stages: float32 needs ~460 KB
+    with pytest.raises(ValueError, match="shared memory"):
+        ringjax.ring_attention(q, k, v, axis_name=None, implementation=IMPL, config=too_big)
+
+
+def test_shrunk_tiles_match_reference():
+    """float32 / head_dim 256 runs with fitted tiles (forward 64 x 32, backward 32 x 32), still exact."""
+    x = make_inputs(43, batch=1, seq=256, heads=2, kv_heads=1, head_dim=256)
+    impl = registry.choose("ring_attention", IMPL, _problem(dtype="float32", head_dim=256, seq=128,
+                                                            platform=jax.default_backend()))[1]
+    config = impl.default_config(_problem(dtype="float32", head_dim=256, seq=128, platform=jax.default_backend()))
+    if not ON_GPU:
+        assert (config.block_q, config.block_kv, config.bwd_block_q, config.bwd_block_kv) == (64, 32, 32, 32)
+    got = run_ring(x, 2, implementation=IMPL, causal=True)  # no config: the fitted default
+    check_against_reference(got, reference_for(x, causal=True), "float32")

@@ -268,3 +268,26 @@ def test_kernels_lower_for_tpu(n, dtype, opts, fused):
     assert text.count("tpu_custom_call") == (2 if fused else 3 * n)
     assert ("ringjax_tpu_fused_ring_fwd" in text) == fused
     assert ("ringjax_tpu_fused_ring_bwd" in text) == fused
+
+
+# ---------------------------------------------------------------- VMEM budget
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_heuristic_and_candidates_fit_the_vmem_budget(dtype, head_dim):
+    from ringjax.pallas.tpu import config as tpu_config
+
+    problem = _problem("tpu", seq=4096, head_dim=head_dim, dtype=dtype)
+    for config in [IMPLEMENTATION.default_config(problem), *IMPLEMENTATION.candidate_configs(problem)]:
+        assert tpu_config.vmem_bytes(config, problem.gqa_ratio, head_dim, dtype) <= tpu_config.VMEM_BUDGET
+    if head_dim <= 128:  # the tiles chosen before the budget was modelled already fit
+        assert IMPLEMENTATION.default_config(problem) == TpuConfig(block_q=512, block_kv=512)
+
+
+def test_explicit_config_over_the_vmem_budget_is_refused_before_running():
+    x = make_inputs(5, batch=1, seq=2048, heads=2, kv_heads=1)
+    q, k, v = (jnp.asarray(x[name]) for name in ("q", "k", "v"))
+    with pytest.raises(ValueError, match="VMEM"):
+        ringjax.ring_attention(q, k, v, axis_name=None, implementation="pallas_tpu_interpret",
+                               config=TpuConfig(block_q=2048, block_kv=2048, interpret=True))

@@ -101,3 +101,61 @@ def test_bad_arguments_raise(kw, error):
     args.update(kw)
     with pytest.raises(ValueError, match=error):
         plan(args.pop("chip"), **args)
+
+
+def test_strategy_costs_by_hand():
+    """2 x H200, 8192 tokens per device, GQA 32/8, causal zigzag, at 100% of peak."""
+    from ringjax.plan import best_strategy, strategy_costs
+
+    costs = {c.strategy: c for c in strategy_costs("h200", devices=2, seq_len=16384, heads=32, kv_heads=8,
+                                                   head_dim=128, layout="zigzag", efficiency=1.0)}
+    t, link, hbm = 8192, 450e9, 4800e9
+    half_step = 4 * 32 * t * t * 128 * 0.5 / 989e12  # one ring step of balanced causal work
+    kv = 2 * t * 8 * 128 * 2  # K and V of one shard, bf16
+    q = t * 32 * 128 * 2
+    merge = 3 * t * 32 * 128 * 4 / hbm  # one lse merge of the float32 output
+    ring = costs["ring"]
+    assert ring.fwd_s == pytest.approx(2 * half_step + merge)
+    assert ring.memory_bytes == pytest.approx(2 * kv * 3)  # two K/V buffers and two float32 dK/dV buffers
+    # all_gather: one shard gathered, then t queries against 2t keys, half of them causal
+    gather = costs["all_gather"]
+    assert gather.fwd_s == pytest.approx(kv / link + 2 * half_step)
+    assert gather.bwd_s == pytest.approx(kv / link + 2.5 * 2 * half_step + 2 * kv / link)
+    assert gather.memory_bytes == pytest.approx(2 * kv * 3)
+    # ulysses: half of q, k, v out and half of q (and the f32 lse) back; 16 heads over 16384 tokens
+    uly = costs["ulysses"]
+    a2a = (0.5 * (q + kv) + 0.5 * (q + 32 * t * 4)) / link
+    assert uly.fwd_s == pytest.approx(a2a + 4 * 16 * 16384**2 * 128 * 0.5 / 989e12)
+    assert best_strategy(costs.values()).strategy == "ring"  # all within 5%: the ring is kept
+
+
+def test_strategy_costs_rule_out_and_prefer():
+    from ringjax.plan import best_strategy, chip_for, strategy_costs
+
+    # contiguous causal: the ring's and all-gather's slowest device does most of the work; ulysses does not
+    costs = strategy_costs("h100", devices=4, seq_len=4 * 8192, heads=32, kv_heads=8, head_dim=128)
+    assert best_strategy(costs).strategy == "ulysses"
+    # 6 heads do not split over 4 devices; with little HBM the gathered K/V do not fit
+    small = dataclasses.replace(CHIPS["h100"], hbm_bytes=1e9)
+    costs = {c.strategy: c for c in strategy_costs(small, devices=4, seq_len=4 * 65536, heads=6, kv_heads=6,
+                                                   head_dim=128, layout="zigzag")}
+    assert not costs["ulysses"].fits and "not divisible" in costs["ulysses"].note
+    assert not costs["all_gather"].fits and "over the memory budget" in costs["all_gather"].note
+    # hybrid: the K/V heads are repeated to divide over the head axis
+    costs = {c.strategy: c for c in strategy_costs("h200", devices=8, seq_len=8 * 4096, heads=32, kv_heads=2,
+                                                   head_dim=128, layout="zigzag", hybrid=(4, 2))}
+    assert "repeated 2x" in costs["hybrid"].note and math.isfinite(costs["hybrid"].total_s)
+    assert chip_for("NVIDIA H200") is CHIPS["h200"] and chip_for("TPU v5 lite") is CHIPS["tpu_v5e"]
+    assert chip_for("cpu") is None
+    with pytest.raises(ValueError, match="hybrid must be"):
+        strategy_costs("h200", devices=8, seq_len=8192, heads=8, kv_heads=8, head_dim=64, hybrid=(3, 2))
+
+
+def test_strategy_cli(capsys):
+    from ringjax.__main__ import main
+
+    assert main(["strategy", "--chip", "h200", "--devices", "2", "--seq", "16384", "--heads", "32", "--kv-heads", "8",
+                 "--head-dim", "128", "--causal"]) == 0
+    text = capsys.readouterr().out
+    assert "ring " in text and "all_gather " in text and "ulysses " in text
+    assert "strategy='auto' picks ulysses" in text  # contiguous causal

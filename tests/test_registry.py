@@ -169,3 +169,17 @@ def test_problem_resolves_device_kind():
     p = _problem()
     assert p.device_kind == ""
     assert p.resolved().device_kind == registry.current_device_kind("cpu") == "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FutureOptions(AttentionOptions):
+    future_rule: int | None = None  # a feature no implementation has learnt yet
+
+
+@pytest.mark.parametrize("name", ["xla", "pallas_gpu_interpret", "pallas_tpu_interpret"])
+def test_every_implementation_refuses_an_option_it_does_not_know(name):
+    impl = next(r for r in registry.registrations("ring_attention") if r.name == name).load()
+    problem = registry.Problem(opts=_FutureOptions(future_rule=3), batch=1, seq=64, heads=2, kv_heads=1,
+                               head_dim=64, dtype="float32", platform="cpu")
+    assert "future_rule" in impl.supports(problem)
+    assert impl.supports(dataclasses.replace(problem, opts=_FutureOptions())) is None

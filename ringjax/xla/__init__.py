@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ringjax.registry import Problem
+from ringjax.registry import Problem, unknown_options
 from ringjax.ring import BlockKernel, ring_attention_shard
 from ringjax.xla.block import XlaConfig, block_bwd, block_fwd
 
 KERNEL = BlockKernel(name="xla", fwd=block_fwd, bwd=block_bwd)
+# every AttentionOptions field; one added later is refused until the XLA step implements it
+KNOWN_OPTIONS = frozenset({"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name", "axis_size",
+                           "has_segments", "has_sinks", "chunk_size", "has_alibi", "dropout_rate", "num_sink_tokens",
+                           "gather_kv", "subshards"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +21,10 @@ class XlaImplementation:
     config_type: type = XlaConfig
 
     def supports(self, problem: Problem) -> str | None:
-        return None  # every feature, dtype and shape
+        unknown = unknown_options(problem.opts, KNOWN_OPTIONS)
+        if unknown:
+            return f"{', '.join(unknown)} not implemented in the XLA ring step"
+        return None  # every float dtype and shape
 
     def default_config(self, problem: Problem) -> XlaConfig:
         return XlaConfig()

@@ -18,14 +18,17 @@ from ringjax.masks import (
     Extras,
     TokenInfo,
     alibi_distance,
+    dropout_batch_head,
     dropout_keep,
     logits,
     logits_and_slope,
-    maybe_visible,
     may_skip,
+    maybe_visible,
     visible,
 )
+from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
+from ringjax.tiles import Tiling, block_ranges, matmul_precision, pick_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,42 +45,22 @@ class XlaConfig:
                 raise ValueError(f"XlaConfig.{name} must be a positive int, got {value!r}")
 
 
-def _pick_block(length: int, want: int, opts: AttentionOptions) -> int:
-    """Largest divisor of the unit length not above `want`.
-
-    Under zigzag a shard is two separate chunks; blocks never straddle them, so
-    position ranges stay tight and causal skipping halves the work.
-    """
-    unit = length // opts.shards_per_device
-    want = max(1, min(want, unit))
-    return max(d for d in range(1, want + 1) if unit % d == 0)
-
-
-def _precision(dtype):
-    # float32 inputs get true float32 products (GPUs would otherwise use TF32)
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
-
-
 def _blocks(info: TokenInfo, n: int, size: int):
     """Positions [n, size], segment ids and offsets [n, B, size] (or None), per-block ranges."""
-    pos = info.pos.reshape(n, size)
 
     def split(x):
         return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], n, size), 1, 0)
 
-    seg, segpos = split(info.seg), split(info.segpos)
-    rng = BlockRange(
-        pos.min(axis=1),
-        pos.max(axis=1),
-        None if seg is None else seg.min(axis=(1, 2)),
-        None if seg is None else seg.max(axis=(1, 2)),
-        None if segpos is None else segpos.min(axis=(1, 2)),
-    )
-    return pos, seg, segpos, rng
+    return info.pos.reshape(n, size), split(info.seg), split(info.segpos), block_ranges(info, size)
 
 
-def _pick(rng: BlockRange, i) -> BlockRange:
-    return BlockRange(*(None if x is None else x[i] for x in rng))
+def _may_see(opts: AttentionOptions, q_rng: BlockRange, k_rng: BlockRange, i, j):
+    """Whether query block i may see key block j in some batch row (bool scalar)."""
+
+    def at(r: BlockRange, n) -> BlockRange:
+        return BlockRange(*(None if x is None else x[..., n] for x in r))
+
+    return maybe_visible(opts, at(q_rng, i), at(k_rng, j)).any()
 
 
 def _split_q(x, nq, bq, kv_heads):
@@ -127,7 +110,7 @@ class _Tile:
         self.rate = opts.dropout_rate
         if self.rate:
             self.heads = jnp.arange(kv_heads * groups, dtype=jnp.int32).reshape(1, kv_heads, groups, 1, 1)
-            self.seed, self.qp, self.kp = extras.dropout_seed, qp, kp
+            self.seed, self.head_slice, self.qp, self.kp = extras.dropout_seed, extras.head_slice, qp, kp
 
     def logits(self, s):
         s = s if self.bias is None else s + self.bias
@@ -138,22 +121,21 @@ class _Tile:
         if not self.rate:
             return x
         b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
-        keep = dropout_keep(self.seed, self.rate, b * self.heads.size + self.heads, self.qp, self.kp)
+        batch_head = dropout_batch_head(self.head_slice, b, self.heads, self.heads.size)
+        keep = dropout_keep(self.seed, self.rate, batch_head, self.qp, self.kp)
         return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
 
 
 def _tiling(q, k, opts: AttentionOptions, config: XlaConfig):
-    """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks)."""
-    b, t, h, _ = q.shape
-    s_len, kvh = k.shape[1], k.shape[2]
-    bq, bk = _pick_block(t, config.block_q, opts), _pick_block(s_len, config.block_kv, opts)
-    return b, h, kvh, h // kvh, bq, bk, t // bq, s_len // bk
+    """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks); any divisor is a legal block."""
+    tl = Tiling.of(q, k, pick_block(q.shape[1], config.block_q, opts), pick_block(k.shape[1], config.block_kv, opts))
+    return tl.batch, tl.heads, tl.kv_heads, tl.groups, tl.block_q, tl.block_kv, tl.num_q, tl.num_kv
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
     b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
     t = q.shape[1]
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     qb = _split_q(q, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
     qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
@@ -170,29 +152,26 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
 
         def kv_block(j, carry):
             def compute(carry):
-                m, l, acc = carry
+                m, denom, acc = carry
                 tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
                              TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
                 s = tile.logits(logits(qk, opts))
                 m_new = jnp.maximum(m, s.max(axis=-1))
-                m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+                m_safe = finite_or_zero(m_new)
                 p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
                 alpha = jnp.exp(m - m_safe)
-                l = alpha * l + p.sum(axis=-1)
+                denom = alpha * denom + p.sum(axis=-1)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
                                 preferred_element_type=jnp.float32, precision=prec)
-                return m_new, l, alpha[..., None] * acc + pv
+                return m_new, denom, alpha[..., None] * acc + pv
 
             if not skip:
                 return compute(carry)
-            return lax.cond(maybe_visible(opts, _pick(qrng, i), _pick(krng, j)), compute, lambda c: c, carry)
+            return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
 
-        m, l, acc = lax.fori_loop(0, nk, kv_block, init)
-        seen = l > 0
-        out = acc / jnp.where(seen, l, 1.0)[..., None]
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-        return out, lse
+        m, denom, acc = lax.fori_loop(0, nk, kv_block, init)
+        return finish(acc, m, denom)
 
     out, lse = lax.map(q_block, jnp.arange(nq))
     # lse [nq, B, KVH, G, bq] -> [B, H, T]
@@ -204,10 +183,9 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
               opts: AttentionOptions, config: XlaConfig):
     """(dq, dk, dv, d alibi_slopes or None), float32."""
     b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
-    prec = _precision(q.dtype)
+    prec = matmul_precision(q.dtype)
     qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
-    lseb, deltab = _split_rows(lse, nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
-    lseb = jnp.where(jnp.isfinite(lseb), lseb, 0.0)  # masked rows: all scores -inf, P = 0
+    lseb, deltab = _split_rows(finite_or_zero(lse), nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
     qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
     kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
@@ -244,7 +222,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
 
             if not skip:
                 return compute(carry)
-            return lax.cond(maybe_visible(opts, _pick(qrng, i), _pick(krng, j)), compute, lambda c: c, carry)
+            return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
 
         dq_acc, dslopes = carry
         zeros_kv = _compat.match_vma(jnp.zeros(kj.shape, jnp.float32), *refs)

@@ -1,11 +1,11 @@
 """One ring step as Pallas kernels lowered through Triton (any CUDA GPU, or the interpreter).
 
 Forward: grid (q block, batch, head); each program walks the key blocks the mask
-may show it. Backward, fused (default): grid over key blocks and KV heads, walking the
-query blocks of the G query heads of its KV head (no repeated K/V); dK, dV accumulate in
-registers and dQ is added to a float32 buffer with atomics: 5 block matmuls per block
-pair. Backward, split (`GpuConfig(bwd_fused=False)`): the same dK/dV kernel without dQ,
-plus a dQ kernel gridded like the forward: 7 block matmuls, no atomics.
+may show it. Backward, split (default): a dQ kernel gridded like the forward, and a dK/dV
+kernel gridded over key blocks and KV heads that walks the query blocks of the G query
+heads of its KV head (no repeated K/V): 7 block matmuls per block pair, no atomics.
+Backward, fused (`GpuConfig(bwd_fused=True)`): the dK/dV kernel also adds dQ to a float32
+buffer with atomics: 5 block matmuls per block pair.
 
 Which block pairs run is decided before the launch, in XLA, from `masks.maybe_visible`
 and `masks.fully_visible` on block position/segment ranges. Three walks:
@@ -32,51 +32,46 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ringjax import _compat
-from ringjax.masks import (BlockRange, TokenInfo, fully_visible, logits, logits_and_slope, may_skip, maybe_visible,
-                           visible)
+from ringjax.masks import (
+    BlockRange,
+    TokenInfo,
+    fully_visible,
+    logits,
+    logits_and_slope,
+    may_skip,
+    maybe_visible,
+    visible,
+)
+from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 from ringjax.pallas.gpu._atomics import atomic_add
-from ringjax.pallas.gpu.config import GpuConfig, pick_block
+from ringjax.pallas.gpu.config import GpuConfig, block_sizes
+from ringjax.pallas.operands import Operands, Refs
+from ringjax.tiles import Tiling, block_ranges, matmul_precision
 
 _NEG_INF = float("-inf")
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: int) -> tuple[int, int]:
-    """Power-of-two blocks that never straddle a zigzag chunk boundary."""
-    per = opts.shards_per_device
-    bq, bk = pick_block(t // per, want_q), pick_block(s // per, want_kv)
-    if bq is None or bk is None:
-        raise ValueError(f"pallas_gpu needs shard units divisible by 16, got {t // per} and {s // per}")
-    return bq, bk
-
-
 # --------------------------------------------------------------------------- visit lists
 
 
-def _ranges(info: TokenInfo, n: int, size: int) -> BlockRange:
-    pos = info.pos.reshape(n, size)
-    lo, hi = pos.min(axis=1), pos.max(axis=1)
-    if info.seg is None:
-        return BlockRange(lo, hi, None, None)
-    seg = info.seg.reshape(info.seg.shape[0], n, size)
-    return BlockRange(lo, hi, seg.min(axis=2), seg.max(axis=2))
+def _expand(r: BlockRange, pos_axis: int, row_axis: int) -> BlockRange:
+    """Block ranges shaped to broadcast: positions along `pos_axis`, per-row fields along `row_axis`."""
 
+    def at(x, axis):
+        return None if x is None else jnp.expand_dims(x, axis)
 
-def _expand(r: BlockRange, pos_axis: int, seg_axis: int) -> BlockRange:
-    seg = (None, None) if r.seg_lo is None else (
-        jnp.expand_dims(r.seg_lo, seg_axis), jnp.expand_dims(r.seg_hi, seg_axis))
-    return BlockRange(jnp.expand_dims(r.pos_lo, pos_axis), jnp.expand_dims(r.pos_hi, pos_axis), *seg)
+    return BlockRange(at(r.pos_lo, pos_axis), at(r.pos_hi, pos_axis), at(r.seg_lo, row_axis), at(r.seg_hi, row_axis),
+                      at(r.segpos_lo, row_axis))
 
 
 def _categories(opts, q_info, k_info, bq, bk):
     """int32 [Bl, nq, nk]: 0 fully visible, 1 partly visible, 2 hidden (Bl = B with segments, else 1)."""
-    t, s = q_info.pos.shape[0], k_info.pos.shape[0]
-    nq, nk = t // bq, s // bk
-    qr = _expand(_ranges(q_info, nq, bq), 1, 2)  # pos [nq, 1], seg [B, nq, 1]
-    kr = _expand(_ranges(k_info, nk, bk), 0, 1)  # pos [1, nk], seg [B, 1, nk]
+    qr = _expand(block_ranges(q_info, bq), 1, 2)  # pos [nq, 1], seg [B, nq, 1]
+    kr = _expand(block_ranges(k_info, bk), 0, 1)  # pos [1, nk], seg [B, 1, nk]
     rows = q_info.seg.shape[0] if q_info.seg is not None else 1
-    shape = (rows, nq, nk)
+    shape = (rows, q_info.pos.shape[0] // bq, k_info.pos.shape[0] // bk)
     maybe = jnp.broadcast_to(maybe_visible(opts, qr, kr), shape)
     full = jnp.broadcast_to(fully_visible(opts, qr, kr), shape)
     return jnp.where(full, 0, jnp.where(maybe, 1, 2)).astype(jnp.int32)
@@ -111,12 +106,6 @@ def _range_table(cat):
     return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
 
 
-def _walk_mode(opts: AttentionOptions, has_seg: bool) -> str:
-    if not may_skip(opts):
-        return "dense"
-    return "list" if has_seg else "ranges"
-
-
 def _tables(mode: str, cat):
     """Arrays the kernels index to find their blocks (see the module docstring)."""
     if mode == "dense":
@@ -146,13 +135,9 @@ def _walk(mode: str, tabs, row, i, n: int, step, carry):
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
-    """2-D matmul with float32 accumulation; transposes fold into the contraction.
-
-    float32 operands get IEEE products: Triton would otherwise use TF32 (~3e-4 error).
-    """
+    """2-D matmul with float32 accumulation; transposes fold into the contraction."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
 
 
 def _logits2(qk, opts: AttentionOptions):
@@ -171,56 +156,45 @@ def _q_block(opts: AttentionOptions, nq: int, i):
     return nq - 1 - i if opts.causal else i
 
 
-def _seg_info(pos, seg):
-    return TokenInfo(pos, None if seg is None else seg[None, :])
+def _tokens(pos_ref, seg_ref, idx) -> TokenInfo:
+    """Positions and (this program's batch row of) segment ids of the tokens at `idx`."""
+    return TokenInfo(pos_ref[idx], None if seg_ref is None else seg_ref[idx][None, :])
 
 
 def _mask(opts, q_tok, k_tok, shape):
     return visible(opts, q_tok, k_tok).reshape(shape)
 
 
-def _unpack(refs, n_in: int, has_seg: bool, n_tabs: int):
-    """Split kernel refs into (inputs, seg refs or Nones, tables, outputs)."""
-    ins, rest = refs[:n_in], refs[n_in:]
-    segs = (None, None)
-    if has_seg:
-        segs, rest = rest[:2], rest[2:]
-    return ins, segs, rest[:n_tabs], rest[n_tabs:]
-
-
-def _fwd_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, mode: str, n_tabs: int):
-    (q_ref, k_ref, v_ref, qpos_ref, kpos_ref), (qseg_ref, kseg_ref), tabs, (o_ref, lse_ref) = _unpack(
-        refs, 5, has_seg, n_tabs)
-    i = _q_block(opts, nq, pl.program_id(0))
-    row = pl.program_id(1) if has_seg else 0
-    q = q_ref[...]
-    q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
+def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+    r = Refs(layout, refs)
+    bk = tl.block_kv
+    i = _q_block(opts, tl.num_q, pl.program_id(0))
+    row = pl.program_id(1) if tl.has_segments else 0
+    q = r.q[...]
+    q_tok = _tokens(r.qpos, r.get("qseg"), ...)
 
     def step(blk, carry, masked):
-        m, l, acc = carry
-        start = pl.multiple_of(blk * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
+        m, denom, acc = carry
+        keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
+        k, v = r.k[keys, :], r.v[keys, :]
         s, _ = _logits2(_dot(q, k, trans_b=True), opts)
         if masked:
-            k_tok = _seg_info(kpos_ref[pl.ds(start, bk)], None if kseg_ref is None else kseg_ref[pl.ds(start, bk)])
-            s = jnp.where(_mask(opts, q_tok, k_tok, s.shape), s, _NEG_INF)
+            s = jnp.where(_mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), s.shape), s, _NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
         # rows that have seen no key yet keep m = -inf; shift them by 0 so exp gives exact zeros
-        m_use = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+        m_use = finite_or_zero(m_new) if masked else m_new
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
-        l = alpha * l + p.sum(axis=1)
+        denom = alpha * denom + p.sum(axis=1)
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
-    d = q.shape[-1]
+    bq, d = tl.block_q, tl.head_dim
     init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
-    m, l, acc = _walk(mode, tabs, row, i, k_ref.shape[0] // bk, step, init)
-    seen = l > 0.0
-    l_safe = jnp.where(seen, l, 1.0)
-    o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l_safe)) / _LOG2E, _NEG_INF)
+    m, denom, acc = _walk(mode, r.tables, row, i, tl.num_kv, step, init)
+    out, lse = finish(acc, m, denom, base2=True)
+    r.out[...] = out
+    r.lse[...] = lse
 
 
 def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
@@ -234,85 +208,54 @@ def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
     return p, ds
 
 
-def _dq_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, nq: int, has_seg: bool, mode: str, n_tabs: int):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref), (qseg_ref, kseg_ref), tabs, (dq_ref,) = (
-        _unpack(refs, 8, has_seg, n_tabs))
-    i = _q_block(opts, nq, pl.program_id(0))
-    row = pl.program_id(1) if has_seg else 0
-    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_tok = _seg_info(qpos_ref[...], None if qseg_ref is None else qseg_ref[...])
+def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+    r = Refs(layout, refs)
+    bk = tl.block_kv
+    i = _q_block(opts, tl.num_q, pl.program_id(0))
+    row = pl.program_id(1) if tl.has_segments else 0
+    q, do, lse, delta = r.q[...], r.do[...], r.lse[...], r.delta[...]
+    q_tok = _tokens(r.qpos, r.get("qseg"), ...)
 
     def step(blk, dq, masked):
-        start = pl.multiple_of(blk * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
-        v = v_ref[pl.ds(start, bk), :]
-        mask = None
-        if masked:
-            k_tok = _seg_info(kpos_ref[pl.ds(start, bk)], None if kseg_ref is None else kseg_ref[pl.ds(start, bk)])
-            mask = _mask(opts, q_tok, k_tok, (bq, bk))
+        keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
+        k, v = r.k[keys, :], r.v[keys, :]
+        mask = _mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), (tl.block_q, bk)) if masked else None
         _, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq_ref[...] = _walk(mode, tabs, row, i, k_ref.shape[0] // bk, step, jnp.zeros(q.shape, jnp.float32))
+    r.dq[...] = _walk(mode, r.tables, row, i, tl.num_kv, step, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(*refs, opts: AttentionOptions, bq: int, bk: int, groups: int, has_seg: bool, mode: str,
-                n_tabs: int, fused: bool):
-    """dK, dV of one key block (and, if `fused`, its dQ contributions added atomically)."""
-    ins, (qseg_ref, kseg_ref), tabs, outs = _unpack(refs, 8 + fused, has_seg, n_tabs)
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, qpos_ref, kpos_ref = ins[:8]
-    dk_ref, dv_ref = outs[:2]
-    dq_ref = outs[2] if fused else None  # aliased to the zeros passed as input 8
+def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+    """dK, dV of one key block (and, if the layout has a dQ buffer, its dQ contributions added atomically)."""
+    r = Refs(layout, refs)
+    bq = tl.block_q
     j = pl.program_id(0)
-    row = pl.program_id(1) if has_seg else 0
-    k, v = k_ref[...], v_ref[...]
-    k_tok = _seg_info(kpos_ref[...], None if kseg_ref is None else kseg_ref[...])
+    row = pl.program_id(1) if tl.has_segments else 0
+    k, v = r.k[...], r.v[...]
+    k_tok = _tokens(r.kpos, r.get("kseg"), ...)
 
     def head(g, carry):
         def step(blk, carry, masked):
             dk, dv = carry
-            start = pl.multiple_of(blk * bq, bq)
-            rows = pl.ds(start, bq)
-            q, do = q_ref[rows, g, :], do_ref[rows, g, :]
-            lse, delta = lse_ref[g, rows], delta_ref[g, rows]
-            mask = None
-            if masked:
-                q_tok = _seg_info(qpos_ref[rows], None if qseg_ref is None else qseg_ref[rows])
-                mask = _mask(opts, q_tok, k_tok, (bq, bk))
+            rows = pl.ds(pl.multiple_of(blk * bq, bq), bq)
+            q, do = r.q[rows, g, :], r.do[rows, g, :]
+            lse, delta = r.lse[g, rows], r.delta[g, rows]
+            mask = _mask(opts, _tokens(r.qpos, r.get("qseg"), rows), k_tok, (bq, tl.block_kv)) if masked else None
             p, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-            if fused:
-                atomic_add(dq_ref, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
+            if r.get("dq") is not None:  # fused: the output aliased to the zeros passed in as dq_zeros
+                atomic_add(r.dq, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
             return dk, dv
 
-        return _walk(mode, tabs, row, j, q_ref.shape[0] // bq, step, carry)
+        return _walk(mode, r.tables, row, j, tl.num_q, step, carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = lax.fori_loop(0, groups, head, (zeros, zeros))
-    dk_ref[...] = dk
-    dv_ref[...] = dv
+    r.dk[...], r.dv[...] = lax.fori_loop(0, tl.groups, head, (zeros, zeros))
 
 
 # --------------------------------------------------------------------------- launches
-
-
-def _params(config: GpuConfig, bwd: bool):
-    if bwd:
-        return plgpu.CompilerParams(num_warps=config.bwd_num_warps, num_stages=config.bwd_num_stages)
-    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-def _unify(args):
-    """Make every operand vary over the same mesh axes (a pallas_call needs one for its outputs)."""
-    return [_compat.match_vma(x, *args) for x in args]
-
-
-def _launch(call, args, out_shapes, interpret: bool):
-    """Run a pallas_call; in interpret mode outside shard_map's vma checks (see _compat)."""
-    if not interpret:
-        return call(*args)
-    return _compat.call_unchecked_vma(call, [(o.shape, o.dtype) for o in out_shapes], *args)
 
 
 def _full(x):
@@ -321,144 +264,130 @@ def _full(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * nd)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What every kernel of one step shares: the tiling, the walk and the token metadata."""
+
+    opts: AttentionOptions
+    tl: Tiling
+    mode: str
+    q_info: TokenInfo
+    k_info: TokenInfo
+    categories: object  # int32 [Bl, nq, nk] or None (dense walk)
+
+    @classmethod
+    def of(cls, q, k, q_info, k_info, opts, block_q, block_kv):
+        bq, bk = block_sizes(opts, q.shape[1], k.shape[1], block_q, block_kv)
+        has_seg = q_info.seg is not None
+        tl = Tiling.of(q, k, bq, bk, has_seg)
+        mode = "dense" if not may_skip(opts) else "list" if has_seg else "ranges"
+        cat = None if mode == "dense" else _categories(opts, q_info, k_info, bq, bk)
+        return cls(opts, tl, mode, q_info, k_info, cat)
+
+    def by_query_block(self, *blocks):
+        """Operands of a kernel gridded (query block, batch, head): q and `blocks` ((name, array, kind),
+        kind "tokens" [B, T, H, D] or "rows" [B, H, T] at the query block, "keys": all keys) and the tables."""
+        opts, tl = self.opts, self.tl
+        g, bq, s, d = tl.groups, tl.block_q, tl.kv_len, tl.head_dim
+        r = functools.partial(_q_block, opts, tl.num_q)
+        spec = {"tokens": pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, r(i), h, 0)),
+                "rows": pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, r(i))),
+                "keys": pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, h // g, 0))}
+        ops = Operands()
+        for name, x, kind in blocks:
+            ops.add(name, x, spec[kind])
+        ops.add("qpos", self.q_info.pos, pl.BlockSpec((bq,), lambda i, b, h: (r(i),)))
+        ops.add("kpos", self.k_info.pos, pl.BlockSpec((s,), lambda i, b, h: (0,)))
+        if tl.has_segments:
+            ops.add("qseg", self.q_info.seg, pl.BlockSpec((None, bq), lambda i, b, h: (b, r(i))))
+            ops.add("kseg", self.k_info.seg, pl.BlockSpec((None, s), lambda i, b, h: (b, 0)))
+        tabs = _tables(self.mode, self.categories)
+        ops.add_group("tables", tabs, [_full(x) for x in tabs])
+        return ops, spec
+
+    def by_key_block(self, *blocks):
+        """Operands of a kernel gridded (key block, batch, KV head): `blocks` ((name, array, kind), kind
+        "tokens": all T rows of the G query heads, "rows": [B, H, T] likewise, "keys": the key block)."""
+        tl = self.tl
+        g, t, bk, d = tl.groups, tl.q_len, tl.block_kv, tl.head_dim
+        spec = {"tokens": pl.BlockSpec((None, t, g, d), lambda j, b, h: (b, 0, h, 0)),
+                "rows": pl.BlockSpec((None, g, t), lambda j, b, h: (b, h, 0)),
+                "keys": pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))}
+        ops = Operands()
+        for name, x, kind in blocks:
+            ops.add(name, x, spec[kind])
+        ops.add("qpos", self.q_info.pos, pl.BlockSpec((t,), lambda j, b, h: (0,)))
+        ops.add("kpos", self.k_info.pos, pl.BlockSpec((bk,), lambda j, b, h: (j,)))
+        if tl.has_segments:
+            ops.add("qseg", self.q_info.seg, pl.BlockSpec((None, t), lambda j, b, h: (b, 0)))
+            ops.add("kseg", self.k_info.seg, pl.BlockSpec((None, bk), lambda j, b, h: (b, j)))
+        tabs = _tables(self.mode, None if self.categories is None else jnp.swapaxes(self.categories, 1, 2))
+        ops.add_group("tables", tabs, [_full(x) for x in tabs])
+        return ops, spec
+
+    def launch(self, kernel, name: str, grid, ins: Operands, outs: Operands, config: GpuConfig, *, bwd: bool,
+               aliases=None):
+        """Run `kernel` over `grid`; `outs` holds (shape, dtype) pairs. In interpret mode the call runs
+        outside shard_map's varying-axes checks (see _compat.call_unchecked_vma)."""
+        args = _compat.align_vma(*ins.arrays)
+        out_shapes = [_compat.struct_like(shape, dtype, *args) for shape, dtype in outs.arrays]
+        warps, stages = (config.bwd_num_warps, config.bwd_num_stages) if bwd else (config.num_warps,
+                                                                                 config.num_stages)
+        call = pl.pallas_call(
+            functools.partial(kernel, layout=ins.layout + outs.layout, opts=self.opts, tl=self.tl, mode=self.mode),
+            grid=grid,
+            in_specs=ins.specs,
+            out_specs=outs.specs,
+            out_shape=out_shapes,
+            input_output_aliases=aliases or {},
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=config.interpret,
+            name=name,
+        )
+        if not config.interpret:
+            return call(*args)
+        return _compat.call_unchecked_vma(call, [(o.shape, o.dtype) for o in out_shapes], *args)
+
+
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: GpuConfig):
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
-    bq, bk = block_sizes(opts, t, s, config.block_q, config.block_kv)
-    has_seg = q_info.seg is not None
-    mode = _walk_mode(opts, has_seg)
-    tabs = _tables(mode, _categories(opts, q_info, k_info, bq, bk)) if mode != "dense" else []
-    nq = t // bq
-    r = functools.partial(_q_block, opts, nq)
-    args = [q, k, v, q_info.pos, k_info.pos]
-    specs = [
-        pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-        pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-        pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
-        pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
-    ]
-    if has_seg:
-        args += [q_info.seg, k_info.seg]
-        specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
-                  pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
-    args += tabs
-    specs += [_full(x) for x in tabs]
-    args = _unify(args)
-    kernel = functools.partial(_fwd_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, mode=mode,
-                               n_tabs=len(tabs))
-    out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
-                  _compat.struct_like((b, h, t), jnp.float32, args[0])]
-    call = pl.pallas_call(
-        kernel,
-        grid=(t // bq, b, h),
-        in_specs=specs,
-        out_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
-        ],
-        out_shape=out_shapes,
-        compiler_params=_params(config, bwd=False),
-        interpret=config.interpret,
-        name="ringjax_fwd",
-    )
-    out, lse = _launch(call, args, out_shapes, config.interpret)
+    """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T])."""
+    step = _Step.of(q, k, q_info, k_info, opts, config.block_q, config.block_kv)
+    tl = step.tl
+    ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"))
+    outs = (Operands().add("out", ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32), spec["tokens"])
+            .add("lse", ((tl.batch, tl.heads, tl.q_len), jnp.float32), spec["rows"]))
+    out, lse = step.launch(_fwd_kernel, "ringjax_fwd", (tl.num_q, tl.batch, tl.heads), ins, outs, config, bwd=False)
     return out, lse
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: GpuConfig):
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
-    bq, bk = block_sizes(opts, t, s, config.bwd_block_q, config.bwd_block_kv)
-    has_seg = q_info.seg is not None
-    mode = _walk_mode(opts, has_seg)
-    cat = _categories(opts, q_info, k_info, bq, bk) if mode != "dense" else None
+    """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
+    step = _Step.of(q, k, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv)
+    tl = step.tl
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
-    lse = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0)
-    delta = delta.astype(jnp.float32)
-    seg_args = [q_info.seg, k_info.seg] if has_seg else []
-    fused = config.bwd_fused
+    lse2, delta = finite_or_zero(lse) * _LOG2E, delta.astype(jnp.float32)
+    tokens = ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32)
 
     dq = None
-    if not fused:  # dQ: grid over query blocks, walking key blocks
-        tabs = _tables(mode, cat)
-        nq = t // bq
-        r = functools.partial(_q_block, opts, nq)
-        args = _unify([q, k, v, dout, lse, delta, q_info.pos, k_info.pos, *seg_args, *tabs])
-        specs = [
-            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-            pl.BlockSpec((None, s, None, d), lambda i, bb, hh: (bb, 0, hh // g, 0)),
-            pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0)),
-            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
-            pl.BlockSpec((None, None, bq), lambda i, bb, hh: (bb, hh, r(i))),
-            pl.BlockSpec((bq,), lambda i, bb, hh: (r(i),)),
-            pl.BlockSpec((s,), lambda i, bb, hh: (0,)),
-        ]
-        if has_seg:
-            specs += [pl.BlockSpec((None, bq), lambda i, bb, hh: (bb, r(i))),
-                      pl.BlockSpec((None, s), lambda i, bb, hh: (bb, 0))]
-        specs += [_full(x) for x in tabs]
-        out_shapes = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
-        call = pl.pallas_call(
-            functools.partial(_dq_kernel, opts=opts, bq=bq, bk=bk, nq=nq, has_seg=has_seg, mode=mode,
-                              n_tabs=len(tabs)),
-            grid=(t // bq, b, h),
-            in_specs=specs,
-            out_specs=[pl.BlockSpec((None, bq, None, d), lambda i, bb, hh: (bb, r(i), hh, 0))],
-            out_shape=out_shapes,
-            compiler_params=_params(config, bwd=True),
-            interpret=config.interpret,
-            name="ringjax_bwd_dq",
-        )
-        (dq,) = _launch(call, args, out_shapes, config.interpret)
+    if not config.bwd_fused:  # dQ: grid over query blocks, walking key blocks
+        ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"), ("do", dout, "tokens"),
+                                        ("lse", lse2, "rows"), ("delta", delta, "rows"))
+        outs = Operands().add("dq", tokens, spec["tokens"])
+        (dq,) = step.launch(_dq_kernel, "ringjax_bwd_dq", (tl.num_q, tl.batch, tl.heads), ins, outs, config, bwd=True)
 
     # dK, dV (and dQ when fused): grid over key blocks and KV heads, walking query blocks of the G query heads
-    tabs = _tables(mode, None if cat is None else jnp.swapaxes(cat, 1, 2))
-    group = pl.BlockSpec((None, t, g, d), lambda j, bb, hh: (bb, 0, hh, 0))
-    args = [q, k, v, dout, lse, delta, q_info.pos, k_info.pos]
-    specs = [
-        group,
-        pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0)),
-        pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0)),
-        group,
-        pl.BlockSpec((None, g, t), lambda j, bb, hh: (bb, hh, 0)),
-        pl.BlockSpec((None, g, t), lambda j, bb, hh: (bb, hh, 0)),
-        pl.BlockSpec((t,), lambda j, bb, hh: (0,)),
-        pl.BlockSpec((bk,), lambda j, bb, hh: (j,)),
-    ]
-    if fused:  # dQ accumulates atomically into these zeros (aliased to output 2)
-        args.append(jnp.zeros((b, t, h, d), jnp.float32))
-        specs.append(group)
-    args += seg_args + tabs
-    if has_seg:
-        specs += [pl.BlockSpec((None, t), lambda j, bb, hh: (bb, 0)),
-                  pl.BlockSpec((None, bk), lambda j, bb, hh: (bb, j))]
-    specs += [_full(x) for x in tabs]
-    args = _unify(args)
-    kv_spec = pl.BlockSpec((None, bk, None, d), lambda j, bb, hh: (bb, j, hh, 0))
-    out_shapes = [_compat.struct_like(k.shape, jnp.float32, args[0])] * 2
-    out_specs = [kv_spec, kv_spec]
-    if fused:
-        out_shapes.append(_compat.struct_like((b, t, h, d), jnp.float32, args[0]))
-        out_specs.append(group)
-    call = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, bq=bq, bk=bk, groups=g, has_seg=has_seg, mode=mode,
-                          n_tabs=len(tabs), fused=fused),
-        grid=(s // bk, b, kvh),
-        in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shapes,
-        input_output_aliases={8: 2} if fused else {},
-        compiler_params=_params(config, bwd=True),
-        interpret=config.interpret,
-        name="ringjax_bwd_dkv_dq" if fused else "ringjax_bwd_dkv",
-    )
-    if fused:
-        dk, dv, dq = _launch(call, args, out_shapes, config.interpret)
-    else:
-        dk, dv = _launch(call, args, out_shapes, config.interpret)
-    return dq, dk, dv
+    blocks = [("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"), ("do", dout, "tokens"), ("lse", lse2, "rows"),
+              ("delta", delta, "rows")]
+    if config.bwd_fused:  # dQ accumulates atomically into these zeros, aliased to the dq output
+        blocks.append(("dq_zeros", jnp.zeros(*tokens), "tokens"))
+    ins, spec = step.by_key_block(*blocks)
+    kv_grads = ((tl.batch, tl.kv_len, tl.kv_heads, tl.head_dim), jnp.float32)
+    outs = Operands().add("dk", kv_grads, spec["keys"]).add("dv", kv_grads, spec["keys"])
+    if config.bwd_fused:
+        outs.add("dq", tokens, spec["tokens"])
+    grid = (tl.num_kv, tl.batch, tl.kv_heads)
+    name = "ringjax_bwd_dkv_dq" if config.bwd_fused else "ringjax_bwd_dkv"
+    aliases = {ins.index("dq_zeros"): outs.index("dq")} if config.bwd_fused else None
+    dk, dv, *fused_dq = step.launch(_dkv_kernel, name, grid, ins, outs, config, bwd=True, aliases=aliases)
+    return (fused_dq[0] if config.bwd_fused else dq), dk, dv

@@ -26,8 +26,11 @@ from jax import lax
 
 from ringjax import _compat, masks
 from ringjax.masks import BlockRange, TokenInfo
+from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
-from ringjax.pallas.tpu.config import TpuConfig, pick_block, sublanes
+from ringjax.pallas.operands import Operands, Refs
+from ringjax.pallas.tpu.config import TpuConfig, block_size, sublanes
+from ringjax.tiles import Tiling, block_ranges, matmul_precision
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -66,10 +69,7 @@ def assume_tpu_tiling() -> None:
 
 def interpret_params(config: TpuConfig):
     """The `interpret=` argument of pallas_call for `config`."""
-    if not config.interpret:
-        return False
-    _, pltpu = _pallas()
-    return pltpu.InterpretParams(detect_races=config.detect_races)
+    return _compat.tpu_interpret_params(config.detect_races) if config.interpret else False
 
 
 def reset_interpreter() -> None:
@@ -81,46 +81,18 @@ def reset_interpreter() -> None:
 def races_found() -> bool:
     """Whether the interpreter's race detector (TpuConfig(detect_races=True)) reported a race
     since the last `reset_interpreter`; each race is also printed when found."""
-    try:  # not public API: jax keeps the detector's state in this module
-        from jax._src.pallas.mosaic.interpret import interpret_pallas_call as interpreter
-    except ImportError as e:
-        raise RuntimeError(f"this jax ({jax.__version__}) does not expose the interpreter's race state") from e
-    state = getattr(interpreter, "races", None)
-    return bool(state is not None and state.races_found)
-
-
-def _precision(dtype):
-    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
+    return _compat.tpu_races_found()
 
 
 def _dot(a, b, dims, prec):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=prec)
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-    """Static block structure of one step."""
-
-    groups: int  # query heads per KV head
-    block_q: int
-    block_kv: int
-    num_q: int
-    num_kv: int
-    head_dim: int
-    has_segments: bool
-
-    @property
-    def rows(self) -> int:
-        return self.groups * self.block_q
-
-
 def tiling(q, k, opts: AttentionOptions, config: TpuConfig) -> Tiling:
-    _, t, h, d = q.shape
-    s_len, kvh = k.shape[1], k.shape[2]
     align = sublanes(jnp.dtype(q.dtype).name)
-    bq = pick_block(t, config.block_q, opts, align)
-    bk = pick_block(s_len, config.block_kv, opts, align)
-    return Tiling(h // kvh, bq, bk, t // bq, s_len // bk, d, opts.has_segments)
+    bq = block_size(q.shape[1], config.block_q, opts, align)
+    bk = block_size(k.shape[1], config.block_kv, opts, align)
+    return Tiling.of(q, k, bq, bk, opts.has_segments)
 
 
 # ---------------------------------------------------------------- layout changes (XLA side)
@@ -162,42 +134,66 @@ class Meta:
     tiles: tuple
 
 
-def _ranges(x, axis):
-    return jnp.concatenate([x.min(axis=axis).reshape(-1), x.max(axis=axis).reshape(-1)]).astype(jnp.int32)
+def _side(info: TokenInfo, size: int, column: bool):
+    """Range scalars and mask tiles of the queries (tiles [n, size, 1]) or keys (tiles [n, 1, size])."""
+    r = block_ranges(info, size)
+    shape = (-1, size, 1) if column else (-1, 1, size)
+
+    def flat(lo, hi):
+        return jnp.concatenate([lo.reshape(-1), hi.reshape(-1)]).astype(jnp.int32)
+
+    scalars, tiles = [flat(r.pos_lo, r.pos_hi)], [info.pos.astype(jnp.int32).reshape(shape)]
+    if info.seg is not None:
+        scalars.append(flat(r.seg_lo, r.seg_hi))
+        tiles.append(info.seg.astype(jnp.int32).reshape(info.seg.shape[0], *shape))
+    return scalars, tiles
 
 
-def token_meta(q_info: TokenInfo, k_info: TokenInfo, tl: Tiling) -> Meta:
-    nq, bq, nk, bk = tl.num_q, tl.block_q, tl.num_kv, tl.block_kv
-    qpos = q_info.pos.astype(jnp.int32).reshape(nq, bq)
-    kpos = k_info.pos.astype(jnp.int32).reshape(nk, bk)
-    scalars = [_ranges(qpos, 1), _ranges(kpos, 1)]
-    tiles = [qpos[:, :, None], kpos[:, None, :]]
-    if tl.has_segments:
-        b = q_info.seg.shape[0]
-        qseg = q_info.seg.astype(jnp.int32).reshape(b, nq, bq)
-        kseg = k_info.seg.astype(jnp.int32).reshape(b, nk, bk)
-        scalars += [_ranges(qseg, 2), _ranges(kseg, 2)]
-        tiles += [qseg[..., None], kseg[:, :, None, :]]
-    return Meta(tuple(scalars), tuple(tiles))
+def token_meta(q_info: TokenInfo, k_infos: list[TokenInfo], tl: Tiling, stacked: bool = False) -> Meta:
+    """Meta of one step, or with `stacked` of every source shard in `k_infos` (the fused ring):
+    K range scalars then concatenated per source, K tiles stacked on a leading source axis."""
+    q_scalars, q_tiles = _side(q_info, tl.block_q, column=True)
+    k_sides = [_side(info, tl.block_kv, column=False) for info in k_infos]
+    if stacked:
+        k_scalars = [jnp.concatenate(parts) for parts in zip(*(side[0] for side in k_sides))]
+        k_tiles = [jnp.stack(parts) for parts in zip(*(side[1] for side in k_sides))]
+    else:
+        ((k_scalars, k_tiles),) = k_sides
+    # order: q positions, k positions, then q and k segment ids
+    return Meta(tuple(q_scalars[:1] + k_scalars[:1] + q_scalars[1:] + k_scalars[1:]),
+                tuple(q_tiles[:1] + k_tiles[:1] + q_tiles[1:] + k_tiles[1:]))
 
 
-def meta_specs(tl: Tiling, q_index, k_index):
-    """BlockSpecs of Meta.tiles; q_index/k_index map grid indices to (b, i) / (b, j)."""
+def grid_order(q_first: bool):
+    """Index-map adapter: f(b, h, i, j) for a grid (b, h, i, j) if `q_first`, else (b, h, j, i);
+    b batch, h KV head, i query tile, j key tile (extra arguments, scalar refs, are ignored)."""
+    if q_first:
+        return lambda f: (lambda b, h, i, j, *_: f(b, h, i, j))
+    return lambda f: (lambda b, h, j, i, *_: f(b, h, i, j))
+
+
+def q_spec(tl: Tiling, last: int, q_first: bool):
+    """[G, bq, last] tiles of a [B, KVH, G, T, last] array (queries, dO, outputs; last 1: lse, delta)."""
     pl, _ = _pallas()
-    bq, bk = tl.block_q, tl.block_kv
+    index = grid_order(q_first)(lambda b, h, i, j: (b, h, 0, i, 0))
+    return pl.BlockSpec((None, None, tl.groups, tl.block_q, last), index)
 
-    def qpos(*idx):
-        return (q_index(*idx)[1], 0, 0)
 
-    def kpos(*idx):
-        return (k_index(*idx)[1], 0, 0)
+def meta_specs(tl: Tiling, q_first: bool, src=None):
+    """BlockSpecs of Meta.tiles; with `src`, K tiles are stacked over source shards (the fused ring)
+    and the tiles of shard `src` are read."""
+    pl, _ = _pallas()
+    at = grid_order(q_first)
+    lead = () if src is None else (None,)
 
-    specs = [pl.BlockSpec((None, bq, 1), qpos), pl.BlockSpec((None, 1, bk), kpos)]
+    def k_index(*index):
+        return index if src is None else (src, *index)
+
+    specs = [pl.BlockSpec((None, tl.block_q, 1), at(lambda b, h, i, j: (i, 0, 0))),
+             pl.BlockSpec((*lead, None, 1, tl.block_kv), at(lambda b, h, i, j: k_index(j, 0, 0)))]
     if tl.has_segments:
-        specs += [
-            pl.BlockSpec((None, None, bq, 1), lambda *idx: (*q_index(*idx), 0, 0)),
-            pl.BlockSpec((None, None, 1, bk), lambda *idx: (*k_index(*idx), 0, 0)),
-        ]
+        specs += [pl.BlockSpec((None, None, tl.block_q, 1), at(lambda b, h, i, j: (b, i, 0, 0))),
+                  pl.BlockSpec((*lead, None, None, 1, tl.block_kv), at(lambda b, h, i, j: k_index(b, j, 0, 0)))]
     return specs
 
 
@@ -253,24 +249,13 @@ def mask_rows(x, vis, groups, fill):
     return jnp.where(vis[None], x3, fill).reshape(rows, bk)
 
 
-def out_struct(shape, dtype, like):
-    """Output shape of a pallas_call inside shard_map: varying over what its inputs vary over."""
-    varying = frozenset().union(*(_compat.varying_axes(x) for x in like))
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
-
-
-def align_vma(*xs):
-    """Make every operand vary over the same mesh axes (pallas_call operands must agree)."""
-    return tuple(_compat.match_vma(x, *xs) for x in xs)
-
-
 # ---------------------------------------------------------------- forward
 
 
 def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRefs, opts: AttentionOptions,
                         tl: Tiling):
     """Fold one K/V tile into the running max m, denominator l and unnormalised output acc."""
-    prec = _precision(q_ref.dtype)
+    prec = matmul_precision(q_ref.dtype)
     q = q_ref[...].reshape(tl.rows, tl.head_dim)
     v = v_ref[...]
     s = masks.logits(_dot(q, k_ref[...], _NT, prec), opts)
@@ -278,7 +263,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
         s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
     m_prev = m_ref[...].reshape(tl.rows, 1)
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+    m_safe = finite_or_zero(m_new)  # rows with no key yet
     p = jnp.exp(s - m_safe)  # exactly 0 where masked
     alpha = jnp.exp(m_prev - m_safe)
     l_ref[...] = (alpha * l_ref[...].reshape(tl.rows, 1) + p.sum(axis=1, keepdims=True)).reshape(l_ref.shape)
@@ -287,101 +272,80 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     acc_ref[...] = acc.reshape(acc_ref.shape)
 
 
-def _fwd_kernel(*refs, opts: AttentionOptions, tl: Tiling):
+def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
     pl, _ = _pallas()
-    n_scalar = 4 if tl.has_segments else 2
-    scalar_refs, refs = refs[:n_scalar], refs[n_scalar:]
-    q_ref, k_ref, v_ref = refs[:3]
-    tile_refs = refs[3 : 3 + n_scalar]
-    o_ref, lse_ref, m_sc, l_sc, acc_sc = refs[3 + n_scalar :]
-    meta = MetaRefs(tl, scalar_refs, tile_refs)
+    r = Refs(layout, refs)
+    meta = MetaRefs(tl, r.scalars, r.tiles)
     b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(j == 0)
     def _init():
-        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
-        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        r.m[...] = jnp.full(r.m.shape, -jnp.inf, jnp.float32)
+        r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
+        r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
-    def body():
-        online_softmax_step(q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, meta, opts, tl)
-
-    when_visible(opts, meta, b, i, j, body)
+    when_visible(opts, meta, b, i, j, lambda: online_softmax_step(r.q, r.k, r.v, r.m, r.l, r.acc, meta, opts, tl))
 
     @pl.when(j == tl.num_kv - 1)
     def _finish():
-        denom = l_sc[...]
-        seen = denom > 0.0
-        safe = jnp.where(seen, denom, 1.0)
-        o_ref[...] = (acc_sc[...] / safe).reshape(o_ref.shape)
-        lse = jnp.where(seen, m_sc[...] + jnp.log(safe), -jnp.inf)
-        lse_ref[...] = lse.reshape(lse_ref.shape)
+        out, lse = finish(r.acc[...], r.m[...], r.l[...])
+        r.out[...] = out.reshape(r.out.shape)
+        r.lse[...] = lse.reshape(r.lse.shape)
+
+
+def _launch(kernel, name: str, tl: Tiling, opts: AttentionOptions, config: TpuConfig, meta: Meta, ins: Operands,
+            outs: Operands, *, q_first: bool, matmuls: int, scratch: Operands | None = None):
+    """One pallas_call over grid (B, KVH, nq, nk) if `q_first` else (B, KVH, nk, nq), the last axis
+    sequential; `meta.scalars` are prefetched to SMEM, `outs` holds (shape, dtype) pairs."""
+    pl, pltpu = _pallas()
+    scratch = scratch or Operands()
+    operands = _compat.align_vma(*meta.scalars, *ins.arrays)
+    layout = (("scalars", len(meta.scalars)),) + ins.layout + outs.layout + scratch.layout
+    tiles = (tl.num_q, tl.num_kv) if q_first else (tl.num_kv, tl.num_q)
+    itemsize = jnp.dtype(ins.arrays[0].dtype).itemsize
+    q_bytes, kv_bytes = tl.batch * tl.q_len * tl.heads * tl.head_dim, tl.batch * tl.kv_len * tl.kv_heads * tl.head_dim
+    cost = pl.CostEstimate(flops=int(2 * matmuls * tl.batch * tl.heads * tl.q_len * tl.kv_len * tl.head_dim),
+                           transcendentals=int(tl.batch * tl.heads * tl.q_len * tl.kv_len),
+                           bytes_accessed=int((q_bytes * 2 + kv_bytes * 2 * 2) * itemsize))
+    return pl.pallas_call(
+        functools.partial(kernel, layout=layout, opts=opts, tl=tl),
+        out_shape=[_compat.struct_like(shape, dtype, *operands) for shape, dtype in outs.arrays],
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(meta.scalars),
+            grid=(tl.batch, tl.kv_heads, *tiles),
+            in_specs=ins.specs,
+            out_specs=outs.specs,
+            scratch_shapes=scratch.arrays,
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=cost,
+        interpret=interpret_params(config),
+        name=name,
+    )(*operands)
+
+
+def _k_spec(tl: Tiling, q_first: bool):
+    """[bk, D] tiles of a [B, KVH, S, D] array (K, V, dK, dV)."""
+    pl, _ = _pallas()
+    return pl.BlockSpec((None, None, tl.block_kv, tl.head_dim), grid_order(q_first)(lambda b, h, i, j: (b, h, j, 0)))
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: TpuConfig):
     """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T])."""
-    pl, pltpu = _pallas()
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
+    _, pltpu = _pallas()
     tl = tiling(q, k, opts, config)
-    meta = token_meta(q_info, k_info, tl)
-    qh, kh, vh = heads_major(q, kvh), kv_major(k), kv_major(v)
-    operands = align_vma(*meta.scalars, qh, kh, vh, *meta.tiles)
-    g, bq, bk = tl.groups, tl.block_q, tl.block_kv
-
-    def q_index(bi, hi, i, j, *_):
-        return bi, i
-
-    def k_index(bi, hi, i, j, *_):
-        return bi, j
-
-    in_specs = [
-        pl.BlockSpec((None, None, g, bq, d), lambda bi, hi, i, j, *_: (bi, hi, 0, i, 0)),
-        pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j, *_: (bi, hi, j, 0)),
-        pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j, *_: (bi, hi, j, 0)),
-        *meta_specs(tl, q_index, k_index),
-    ]
-    out_specs = [
-        pl.BlockSpec((None, None, g, bq, d), lambda bi, hi, i, j, *_: (bi, hi, 0, i, 0)),
-        pl.BlockSpec((None, None, g, bq, 1), lambda bi, hi, i, j, *_: (bi, hi, 0, i, 0)),
-    ]
-    out_shape = [
-        out_struct((b, kvh, g, t, d), jnp.float32, operands),
-        out_struct((b, kvh, g, t, 1), jnp.float32, operands),
-    ]
-    rows = tl.rows
-    out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, opts=opts, tl=tl),
-        out_shape=out_shape,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(meta.scalars),
-            grid=(b, kvh, tl.num_q, tl.num_kv),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, 1), jnp.float32),
-                pltpu.VMEM((rows, d), jnp.float32),
-            ],
-        ),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        cost_estimate=_cost(q, k, 2, config),
-        interpret=interpret_params(config),
-        name="ringjax_tpu_fwd",
-    )(*operands)
-    return tokens_major(out), lse.reshape(b, h, t)
-
-
-def _cost(q, k, matmuls, config):
-    pl, _ = _pallas()
-    b, t, h, d = q.shape
-    s_len = k.shape[1]
-    nbytes = q.size * q.dtype.itemsize * 2 + k.size * k.dtype.itemsize * 2 * 2
-    return pl.CostEstimate(
-        flops=int(2 * matmuls * b * h * t * s_len * d),
-        transcendentals=int(b * h * t * s_len),
-        bytes_accessed=int(nbytes),
-    )
+    meta = token_meta(q_info, [k_info], tl)
+    b, kvh, g, t, d = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim
+    ins = (Operands().add("q", heads_major(q, kvh), q_spec(tl, d, True))
+           .add("k", kv_major(k), _k_spec(tl, True)).add("v", kv_major(v), _k_spec(tl, True))
+           .add_group("tiles", meta.tiles, meta_specs(tl, True)))
+    outs = (Operands().add("out", ((b, kvh, g, t, d), jnp.float32), q_spec(tl, d, True))
+            .add("lse", ((b, kvh, g, t, 1), jnp.float32), q_spec(tl, 1, True)))
+    scratch = (Operands().add("m", pltpu.VMEM((tl.rows, 1), jnp.float32))
+               .add("l", pltpu.VMEM((tl.rows, 1), jnp.float32)).add("acc", pltpu.VMEM((tl.rows, d), jnp.float32)))
+    out, lse = _launch(_fwd_kernel, "ringjax_tpu_fwd", tl, opts, config, meta, ins, outs, q_first=True, matmuls=2,
+                       scratch=scratch)
+    return tokens_major(out), lse.reshape(b, tl.heads, t)
 
 
 # ---------------------------------------------------------------- backward
@@ -397,139 +361,80 @@ def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec):
     return p, p * (dp - delta) * slope
 
 
-def _bwd_unpack(refs, tl):
-    n_scalar = 4 if tl.has_segments else 2
-    scalar_refs, refs = refs[:n_scalar], refs[n_scalar:]
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs[:6]
-    tile_refs = refs[6 : 6 + n_scalar]
-    return MetaRefs(tl, scalar_refs, tile_refs), (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), refs[6 + n_scalar :]
-
-
-def _load_rows(refs, tl):
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = refs
+def _load_rows(r, tl: Tiling):
+    """q, k, v, dO, lse, delta of the current tile pair from refs named so, queries as [G * bq, .] rows."""
     rows, d = tl.rows, tl.head_dim
-    return (
-        q_ref[...].reshape(rows, d),
-        k_ref[...],
-        v_ref[...],
-        do_ref[...].reshape(rows, d),
-        lse_ref[...].reshape(rows, 1),
-        delta_ref[...].reshape(rows, 1),
-    )
+    return (r.q[...].reshape(rows, d), r.k[...], r.v[...], r.do[...].reshape(rows, d), r.lse[...].reshape(rows, 1),
+            r.delta[...].reshape(rows, 1))
 
 
-def dkv_step(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, meta: MetaRefs,
-             opts: AttentionOptions, tl: Tiling):
-    """Add one tile pair's contribution to the dK and dV tiles."""
-    prec = _precision(q_ref.dtype)
-    q, k, v, do, lse, delta = _load_rows((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tl)
+def grad_step(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling, *, dq=None, dk=None, dv=None):
+    """Add one tile pair's contribution to the dQ tile `dq`, or to the dK and dV tiles `dk`, `dv`;
+    `r` names the q, k, v, do, lse, delta refs."""
+    prec = matmul_precision(r.q.dtype)
+    q, k, v, do, lse, delta = _load_rows(r, tl)
     p, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-    dv_ref[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
-    dk_ref[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
+    if dq is not None:
+        dq[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq.shape)
+    if dk is not None:
+        dv[...] += _dot(p.T.astype(do.dtype), do, _NN, prec)
+        dk[...] += _dot(ds.T.astype(q.dtype), q, _NN, prec)
 
 
-def dq_step(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, meta: MetaRefs, opts: AttentionOptions,
-            tl: Tiling):
-    """Add one tile pair's contribution to the dQ tile."""
-    prec = _precision(q_ref.dtype)
-    q, k, v, do, lse, delta = _load_rows((q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), tl)
-    _, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
-    dq_ref[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq_ref.shape)
-
-
-def _dkv_kernel(*refs, opts: AttentionOptions, tl: Tiling):
+def _grad_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
+    """dQ of a query tile over the key tiles (grid (B, KVH, nq, nk)) if the layout names a "dq" output,
+    else dK and dV of a key tile over the query tiles (grid (B, KVH, nk, nq))."""
     pl, _ = _pallas()
-    meta, ins, (dk_ref, dv_ref) = _bwd_unpack(refs, tl)
-    b, j, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    r = Refs(layout, refs)
+    meta = MetaRefs(tl, r.scalars, r.tiles)
+    b, outer, inner = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    wrt_q = r.get("dq") is not None
+    i, j = (outer, inner) if wrt_q else (inner, outer)
+    grads = {"dq": r.dq} if wrt_q else {"dk": r.dk, "dv": r.dv}
 
-    @pl.when(i == 0)
+    @pl.when(inner == 0)
     def _init():
-        dk_ref[...] = jnp.zeros(dk_ref.shape, jnp.float32)
-        dv_ref[...] = jnp.zeros(dv_ref.shape, jnp.float32)
+        for ref in grads.values():
+            ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
-    when_visible(opts, meta, b, i, j, lambda: dkv_step(*ins, dk_ref, dv_ref, meta, opts, tl))
+    when_visible(opts, meta, b, i, j, lambda: grad_step(r, meta, opts, tl, **grads))
 
 
-def _dq_kernel(*refs, opts: AttentionOptions, tl: Tiling):
-    pl, _ = _pallas()
-    meta, ins, (dq_ref,) = _bwd_unpack(refs, tl)
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> Operands:
+    """q, dO, lse and delta as the backward kernels read them ([B, KVH, G, T, .]), with BlockSpecs for
+    the grid order (none if `q_first` is None: the fused ring keeps its operands in HBM).
 
-    @pl.when(j == 0)
-    def _init():
-        dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
+    Rows that see no key have lse -inf: they are shifted by 0 instead, every P of theirs is masked to 0.
+    """
+    kvh, d = tl.kv_heads, tl.head_dim
 
-    when_visible(opts, meta, b, i, j, lambda: dq_step(*ins, dq_ref, meta, opts, tl))
+    def spec(last):
+        return None if q_first is None else q_spec(tl, last, q_first)
+
+    return (Operands().add("q", heads_major(q, kvh), spec(d)).add("do", heads_major(dout, kvh), spec(d))
+            .add("lse", rows_major(finite_or_zero(lse).astype(jnp.float32), kvh), spec(1))
+            .add("delta", rows_major(delta.astype(jnp.float32), kvh), spec(1)))
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: TpuConfig):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
-    pl, pltpu = _pallas()
-    b, t, h, d = q.shape
-    kvh, s_len = k.shape[2], k.shape[1]
     tl = tiling(q, k, opts, config)
-    meta = token_meta(q_info, k_info, tl)
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see no key: every P is masked to 0
-    operands = align_vma(
-        *meta.scalars,
-        heads_major(q, kvh),
-        kv_major(k),
-        kv_major(v),
-        heads_major(dout, kvh),
-        rows_major(lse.astype(jnp.float32), kvh),
-        rows_major(delta.astype(jnp.float32), kvh),
-        *meta.tiles,
-    )
-    g, bq, bk = tl.groups, tl.block_q, tl.block_kv
-    scratch_free = pltpu.PrefetchScalarGridSpec
-    n_scalar = len(meta.scalars)
-    params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    meta = token_meta(q_info, [k_info], tl)
+    kv_grads = ((tl.batch, tl.kv_heads, tl.kv_len, tl.head_dim), jnp.float32)
 
-    def specs(q_index, k_index):
-        q_block = lambda *idx: (q_index(*idx)[0], idx[1], 0, q_index(*idx)[1], 0)  # noqa: E731
-        k_block = lambda *idx: (k_index(*idx)[0], idx[1], k_index(*idx)[1], 0)  # noqa: E731
-        return [
-            pl.BlockSpec((None, None, g, bq, d), q_block),
-            pl.BlockSpec((None, None, bk, d), k_block),
-            pl.BlockSpec((None, None, bk, d), k_block),
-            pl.BlockSpec((None, None, g, bq, d), q_block),
-            pl.BlockSpec((None, None, g, bq, 1), q_block),
-            pl.BlockSpec((None, None, g, bq, 1), q_block),
-            *meta_specs(tl, q_index, k_index),
-        ], q_block, k_block
+    def operands(q_first: bool) -> Operands:
+        ins = backward_operands(tl, q, dout, lse, delta, q_first)
+        ins.add("k", kv_major(k), _k_spec(tl, q_first)).add("v", kv_major(v), _k_spec(tl, q_first))
+        return ins.add_group("tiles", meta.tiles, meta_specs(tl, q_first))
 
     # dK, dV: kv tiles outer, q tiles inner
-    in_specs, _, k_block = specs(lambda bi, hi, j, i, *_: (bi, i), lambda bi, hi, j, i, *_: (bi, j))
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, opts=opts, tl=tl),
-        out_shape=[out_struct((b, kvh, s_len, d), jnp.float32, operands)] * 2,
-        grid_spec=scratch_free(
-            num_scalar_prefetch=n_scalar,
-            grid=(b, kvh, tl.num_kv, tl.num_q),
-            in_specs=in_specs,
-            out_specs=[pl.BlockSpec((None, None, bk, d), k_block)] * 2,
-        ),
-        compiler_params=params,
-        cost_estimate=_cost(q, k, 3, config),
-        interpret=interpret_params(config),
-        name="ringjax_tpu_bwd_dkv",
-    )(*operands)
-
+    outs = Operands().add("dk", kv_grads, _k_spec(tl, False)).add("dv", kv_grads, _k_spec(tl, False))
+    dk, dv = _launch(_grad_kernel, "ringjax_tpu_bwd_dkv", tl, opts, config, meta, operands(False), outs,
+                     q_first=False, matmuls=3)
     # dQ: q tiles outer, kv tiles inner
-    in_specs, q_block, _ = specs(lambda bi, hi, i, j, *_: (bi, i), lambda bi, hi, i, j, *_: (bi, j))
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, opts=opts, tl=tl),
-        out_shape=out_struct((b, kvh, g, t, d), jnp.float32, operands),
-        grid_spec=scratch_free(
-            num_scalar_prefetch=n_scalar,
-            grid=(b, kvh, tl.num_q, tl.num_kv),
-            in_specs=in_specs,
-            out_specs=pl.BlockSpec((None, None, g, bq, d), q_block),
-        ),
-        compiler_params=params,
-        cost_estimate=_cost(q, k, 2, config),
-        interpret=interpret_params(config),
-        name="ringjax_tpu_bwd_dq",
-    )(*operands)
+    dq_shape = ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim), jnp.float32)
+    outs = Operands().add("dq", dq_shape, q_spec(tl, tl.head_dim, True))
+    (dq,) = _launch(_grad_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs, q_first=True,
+                    matmuls=2)
     return tokens_major(dq), kv_major(dk), kv_major(dv)

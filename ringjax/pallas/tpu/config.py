@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 
 from ringjax.options import AttentionOptions
+from ringjax.registry import unknown_options
+from ringjax.tiles import divisor_block, pick_block
 
 DTYPES = ("float32", "bfloat16")
+# VMEM a kernel may use without raising the scoped limit: 16 MiB on TPU v4, v5e and v5p (v6e: 32)
+VMEM_BUDGET = 16 << 20
 
-# AttentionOptions fields the TPU kernels implement; any other field set away from its
-# default (a feature added later) makes `refusal` refuse rather than ignore it.
+# AttentionOptions fields the TPU kernels implement; any other set away from its default is refused
 KNOWN_OPTIONS = frozenset(
     {"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name", "axis_size",
-     "has_segments", "has_sinks"}
+     "has_segments", "has_sinks", "gather_kv", "subshards"}
 )
 
 
@@ -60,23 +63,58 @@ def sublanes(dtype: str) -> int:
     return 16 if dtype == "bfloat16" else 8
 
 
-def unknown_options(opts: AttentionOptions) -> list[str]:
-    """Options set away from their defaults that these kernels do not implement."""
-    out = []
-    for field in dataclasses.fields(opts):
-        if field.name in KNOWN_OPTIONS:
-            continue
-        default = field.default if field.default is not dataclasses.MISSING else None
-        if getattr(opts, field.name) != default:
-            out.append(field.name)
-    return out
+def block_size(length: int, want: int, opts: AttentionOptions, align: int) -> int:
+    """Largest aligned block size <= want that divides the shard, preferring one zigzag chunk.
+
+    Falls back to the whole shard, which is always a legal block.
+    """
+    return (pick_block(length, want, opts, multiple_of=align) or divisor_block(length, want, multiple_of=align)
+            or length)
 
 
-def refusal(*, opts: AttentionOptions, seq: int, head_dim: int, dtype: str) -> str | None:
-    """Why the TPU kernels cannot run this per-device problem, or None."""
-    unknown = unknown_options(opts)
+def vmem_bytes(config: TpuConfig, groups: int, head_dim: int, dtype: str) -> int:
+    """A conservative estimate of the VMEM of the largest kernel of `config`, bytes (upper-bound blocks).
+
+    With rows = groups * block_q query rows per tile, bk = block_kv, d = head_dim, s = itemsize,
+    and [n, 1] columns padded to 128 lanes: Pallas double-buffers every block it pipelines;
+    the f32 score-sized temporaries (s, p, dp, dS) are rows * bk * 4 bytes each.
+      forward:  2 * (rows*d*s + 2*bk*d*s + rows*d*4 + rows*128*4)  (q, k, v, out, lse)
+                + 3 * rows*d*4 + 4 * rows*128*4  (acc, m, l: scratch, and their fused-ring copies)
+                + 3 * rows*bk*4
+      backward: 2 * (2*rows*d*s + 2*rows*128*4 + 2*bk*d*s + 2*max(bk, rows)*d*4)  (q, dO, lse, delta,
+                k, v, and dK, dV or dQ) + 4 * rows*bk*4
+    """
+    rows, bk, d = groups * config.block_q, config.block_kv, head_dim
+    s = 2 if dtype == "bfloat16" else 4
+    column = rows * 128 * 4
+    forward = 2 * (rows * d * s + 2 * bk * d * s + rows * d * 4 + column) + 3 * rows * d * 4 + 4 * column
+    forward += 3 * rows * bk * 4
+    backward = 2 * (2 * rows * d * s + 2 * column + 2 * bk * d * s + 2 * max(bk, rows) * d * 4) + 4 * rows * bk * 4
+    return max(forward, backward)
+
+
+def fit(config: TpuConfig, groups: int, head_dim: int, dtype: str, budget: int = VMEM_BUDGET) -> TpuConfig | None:
+    """`config` with key blocks (down to 128) and then query blocks halved until its kernels fit
+    `budget` bytes of VMEM (unchanged if they fit), or None if even the smallest do not."""
+    align = sublanes(dtype)
+    while vmem_bytes(config, groups, head_dim, dtype) > budget:
+        if config.block_kv > 128:
+            config = dataclasses.replace(config, block_kv=config.block_kv // 2)
+        elif config.block_q > align:
+            config = dataclasses.replace(config, block_q=max(align, config.block_q // 2))
+        elif config.block_kv > align:
+            config = dataclasses.replace(config, block_kv=max(align, config.block_kv // 2))
+        else:
+            return None
+    return config
+
+
+def refusal(problem) -> str | None:
+    """Why the TPU kernels cannot run this per-device problem (a registry.Problem), or None."""
+    dtype, head_dim, seq = problem.dtype, problem.head_dim, problem.seq
+    unknown = unknown_options(problem.opts, KNOWN_OPTIONS)
     if unknown:
-        return f"option(s) {', '.join(unknown)} not implemented by the TPU kernels"
+        return f"option(s) {', '.join(unknown)} not implemented in the Pallas TPU kernels (use implementation='xla')"
     if dtype not in DTYPES:
         return f"dtype {dtype} not supported (TPU kernels take {' or '.join(DTYPES)})"
     if not (head_dim % 128 == 0 or head_dim in (8, 16, 32, 64)):
@@ -84,17 +122,8 @@ def refusal(*, opts: AttentionOptions, seq: int, head_dim: int, dtype: str) -> s
     align = sublanes(dtype)
     if seq % align:
         return f"local sequence length {seq} must be a multiple of {align} for {dtype} (TPU sublane tiling)"
+    smallest = TpuConfig(block_q=align, block_kv=align)
+    if fit(smallest, problem.gqa_ratio, head_dim, dtype) is None:
+        need = vmem_bytes(smallest, problem.gqa_ratio, head_dim, dtype)
+        return f"even the smallest tiles need about {need} bytes of VMEM, more than the {VMEM_BUDGET} a kernel gets"
     return None
-
-
-def pick_block(length: int, want: int, opts: AttentionOptions, align: int) -> int:
-    """Largest aligned block size <= want that divides the shard, preferring one zigzag chunk.
-
-    Falls back to the whole shard, which is always a legal block.
-    """
-    unit = length // opts.shards_per_device
-    for span in (unit, length):
-        sizes = [d for d in range(align, min(want, span) + 1, align) if span % d == 0]
-        if sizes:
-            return max(sizes)
-    return length
