@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ringjax.masks import TokenInfo
 from ringjax.options import AttentionOptions

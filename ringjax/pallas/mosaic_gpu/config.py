@@ -19,9 +19,10 @@ class MosaicGpuConfig:
     `block_kv` keys per forward step, `dq_block_kv` keys per dQ step, `dkv_block_q` queries
     per dK/dV step. `pair_heads`: with an even GQA group the two consumers of a forward or
     dQ block take two query heads on the same rows (one K/V tile, one mask); otherwise, and
-    always without GQA, two adjacent row tiles of one head. `interpret=True` runs the same kernels in jax's GPU interpreter on any
-    platform, with the block matmuls as jnp.dot: for eager per-step tests on CPU (slow; under
-    jit, the interpreter can stall on hosts with few cores).
+    always without GQA, two adjacent row tiles of one head. `interpret=True` runs the same
+    kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
+    eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
+    cores).
     """
 
     block_kv: int = 128

@@ -671,11 +671,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: MosaicGpuConfig):
-    b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
-    g = h // kvh
     has_seg = q_info.seg is not None
-    dt = q.dtype
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
