@@ -1,4 +1,8 @@
-import jax, jax.numpy as jnp, numpy as np, ringjax
+import jax.numpy as jnp
+import numpy as np
+
+import ringjax
+
 x = np.random.default_rng(0).standard_normal((1, 2048, 8, 128)).astype(np.float32)
 for impl in ("auto", "pallas_gpu", "pallas_mosaic_gpu"):
     try:

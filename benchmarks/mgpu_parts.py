@@ -18,8 +18,7 @@ import jax.numpy as jnp
 
 from ringjax.masks import TokenInfo
 from ringjax.options import AttentionOptions
-from ringjax.pallas.mosaic_gpu import MosaicGpuConfig
-from ringjax.pallas.mosaic_gpu import kernels
+from ringjax.pallas.mosaic_gpu import MosaicGpuConfig, kernels
 
 B, H, KVH, D = 1, 32, 8, 128
 

@@ -220,9 +220,9 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_strategy(args) -> int:
-    from ringjax import plan
-
     import dataclasses
+
+    from ringjax import plan
 
     hybrid = tuple(args.hybrid) if args.hybrid else None
     if args.chip not in plan.CHIPS:
@@ -235,7 +235,8 @@ def _cmd_strategy(args) -> int:
         head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, layout=args.layout, batch=args.batch,
         hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
     )
-    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s), seq {args.seq} ({args.seq // args.devices} per device), "
+    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s), "
+          f"seq {args.seq} ({args.seq // args.devices} per device), "
           f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, head_dim {args.head_dim}, "
           f"{args.dtype}, {'causal' if args.causal else 'full'}, layout {args.layout}"
           + (f", hybrid {hybrid[0]} x {hybrid[1]}" if hybrid else ""))

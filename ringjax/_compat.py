@@ -152,7 +152,6 @@ def explicit_mesh_context(mesh):
 
 def constrain(x, sharding):
     """Place traced `x` at `sharding` (a NamedSharding, or a PartitionSpec under a context mesh)."""
-    spec = getattr(sharding, "spec", sharding)
     mesh = getattr(sharding, "mesh", None) or context_mesh()
     if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
         return jax.reshard(x, sharding)

@@ -209,7 +209,9 @@ class Store:
                 fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
                 try:
                     # `clear` may have removed the lock file while we waited: lock the current one
-                    if os.path.exists(self.lock_path) and os.stat(self.lock_path).st_ino == os.fstat(lock.fileno()).st_ino:
+                    current = os.path.exists(self.lock_path) and (
+                        os.stat(self.lock_path).st_ino == os.fstat(lock.fileno()).st_ino)
+                    if current:
                         yield
                         return
                 finally:

@@ -56,7 +56,7 @@ class Call:
         """Size of each sequence axis."""
         if self.is_global:
             return {a: int(self.mesh.shape[a]) for a in self.seq_axes}
-        return {a: _compat.axis_size_or_none(a) for a in self.seq_axes}
+        return {a: int(_compat.axis_size_or_none(a) or 1) for a in self.seq_axes}
 
     def ways(self, axes: tuple[str, ...]) -> int:
         return math.prod(int(self.mesh.shape[a]) for a in axes) if axes else 1
@@ -104,7 +104,7 @@ def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
         for name, size in zip(names, bound):
             if mesh is not None and mesh.shape.get(name) != size:
                 raise ValueError(f"mesh axis {name!r} does not match the enclosing shard_map's (size {size})")
-        return Call("local", axis_name, math.prod(bound))
+        return Call("local", axis_name, math.prod(int(b or 1) for b in bound))
     target = mesh if mesh is not None else _compat.context_mesh()
     for name in names:
         if target is None or name not in target.axis_names:
@@ -114,7 +114,8 @@ def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
                 f"axis, on global arrays under jax.set_mesh(mesh) or with mesh=mesh, or pass axis_name=None to run "
                 "on one device without a ring"
             )
-    return Call("global", axis_name, math.prod(int(target.shape[name]) for name in names), target)
+    assert target is not None  # every name was found on it above
+    return Call("global", axis_name, math.prod([int(target.shape[name]) for name in names]), target)
 
 
 def with_spare_axes(call: Call, x, *, batch: int, kv_heads: int, keep_heads_if=None) -> Call:

@@ -9,7 +9,7 @@ All positions are global token positions.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -30,9 +30,10 @@ class BlockRange(NamedTuple):
 
     pos_lo: jnp.ndarray
     pos_hi: jnp.ndarray
-    seg_lo: jnp.ndarray | None
-    seg_hi: jnp.ndarray | None
-    segpos_lo: jnp.ndarray | None = None
+    # None when the call has no segment ids (the rules read them only when opts.has_segments)
+    seg_lo: Any
+    seg_hi: Any
+    segpos_lo: Any = None
 
 
 class Extras(NamedTuple):

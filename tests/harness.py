@@ -11,6 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+
 from reference import attention_reference
 
 # norm-wise relative error ||got - ref|| / ||ref|| allowed per input dtype

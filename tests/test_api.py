@@ -8,6 +8,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+
 from harness import make_inputs, mesh_of, reference_for, rel_err
 from reference import attention_reference
 

@@ -16,10 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import check_against_reference, make_inputs, mesh_of, reference_for, rel_err, run_ring
 from ringjax import autotuning, cache, registry
 from ringjax.options import AttentionOptions
 from ringjax.xla import XlaConfig, XlaImplementation
+
+from harness import check_against_reference, make_inputs, mesh_of, reference_for, rel_err, run_ring
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = object()  # a candidate that fails while compiling (it has no block sizes)

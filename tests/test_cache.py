@@ -60,7 +60,8 @@ def test_key_holds_everything_that_changes_the_kernel():
         _problem(has_sinks=True), _problem(layout="striped"), _problem(axis_size=2, axis_name="sp"),
         _problem(chunk_size=16), _problem(has_alibi=True), _problem(dropout_rate=0.1), _problem(num_sink_tokens=4),
         _problem(gather_kv=True), _problem(subshards=2),
-        dataclasses.replace(base, kv_heads=4), dataclasses.replace(base, seq=64), dataclasses.replace(base, dtype="bfloat16"),
+        dataclasses.replace(base, kv_heads=4), dataclasses.replace(base, seq=64),
+        dataclasses.replace(base, dtype="bfloat16"),
         dataclasses.replace(base, device_kind="TPU v5 lite"),
     ]
     ids = {cache.key_id(cache.cache_key("ring_attention", "xla", p)) for p in [base, *variants]}
@@ -78,7 +79,8 @@ def test_put_get_merge_atomic(cache_dir):
     a, b = _problem(), _problem(causal=True)
     assert store.put(_entry(a, XlaConfig(8, 8))) and store.put(_entry(b, XlaConfig(16, 8)))
     assert cache.lookup("ring_attention", "xla", a)[1]["config"] == {"block_q": 8, "block_kv": 8}
-    assert cache.lookup("ring_attention", "xla", b) == ("persistent", store.get(cache.cache_key("ring_attention", "xla", b)))
+    stored = store.get(cache.cache_key("ring_attention", "xla", b))
+    assert cache.lookup("ring_attention", "xla", b) == ("persistent", stored)
     assert sorted(p.name for p in cache_dir.iterdir()) == ["cpu.json", "cpu.json.lock"]  # no temporary files left
     doc = json.loads((cache_dir / "cpu.json").read_text())
     assert doc["schema"] == cache.SCHEMA_VERSION and len(doc["entries"]) == 2

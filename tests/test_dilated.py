@@ -10,6 +10,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+
 from harness import check_against_reference, make_inputs, mesh_of, rel_err
 from reference import attention_reference
 

@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+
 from harness import check_against_reference, make_inputs, mesh_of, reference_for
 
 # per kind: the function, which arrays it takes, and the axis of the sequence in them

@@ -4,8 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from harness import check_against_reference, make_inputs, reference_for, run_ring
 from ringjax.xla import XlaConfig
+
+from harness import check_against_reference, make_inputs, reference_for, run_ring
 
 DEVICES = [1, 2, 4, 8]
 LAYOUTS = ["contiguous", "zigzag", "striped"]
@@ -45,8 +46,9 @@ def test_dropout_mask_is_independent_of_ring_size_and_layout(layout):
 
 
 def test_dropout_keep_rate_and_key_dependence():
-    from ringjax.masks import dropout_keep
     import jax.numpy as jnp
+
+    from ringjax.masks import dropout_keep
 
     pos = jnp.arange(512, dtype=jnp.int32)
     seed = jax.random.bits(jax.random.key(0), (2,), jnp.uint32)
@@ -78,6 +80,7 @@ def test_chunked_causal_shortens_the_ring():
 
 def test_feature_errors():
     import jax.numpy as jnp
+
     import ringjax
 
     q = jnp.ones((1, 8, 2, 4))

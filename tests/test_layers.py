@@ -20,8 +20,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import rel_err
 from ringjax.rotary import apply_rotary, token_positions
+
+from harness import rel_err
 
 needs_flax = pytest.mark.skipif(importlib.util.find_spec("flax") is None,
                                 reason="the Flax layers need flax (pip install ringjax[flax])")

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import ringjax
-from harness import rel_err
 from ringjax.layouts import local_positions
+
+from harness import rel_err
 from reference import attention_reference
 
 

@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import pytest
 
 import ringjax
-from harness import check_against_reference, make_inputs, reference_for, run_ring
 from ringjax import registry
 from ringjax.options import AttentionOptions
 from ringjax.pallas.gpu import GpuConfig
+
+from harness import check_against_reference, make_inputs, reference_for, run_ring
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas_gpu" if ON_GPU else "pallas_gpu_interpret"

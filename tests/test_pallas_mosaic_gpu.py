@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 
 import ringjax
-from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
-from reference import mask_reference
 from ringjax import registry
 from ringjax.layouts import local_positions
 from ringjax.masks import TokenInfo
 from ringjax.options import AttentionOptions
 from ringjax.pallas.mosaic_gpu import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
+
+from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
+from reference import mask_reference
 
 
 def _hopper() -> bool:

@@ -19,10 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
 from ringjax import registry
 from ringjax.masks import Extras
 from ringjax.options import AttentionOptions
+
+from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
 
 pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
 

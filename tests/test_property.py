@@ -3,8 +3,9 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from harness import check_against_reference, make_inputs, reference_for, run_ring
 from ringjax.xla import XlaConfig
+
+from harness import check_against_reference, make_inputs, reference_for, run_ring
 
 
 @st.composite
@@ -19,7 +20,8 @@ def problems(draw):
                  segments=draw(st.sampled_from([None, "random"])), sinks=draw(st.booleans()))
     kw = dict(causal=draw(st.booleans()))
     if draw(st.booleans()):
-        kw["sliding_window"] = draw(st.one_of(st.integers(0, 3 * local), st.tuples(st.integers(0, 9), st.integers(0, 9))))
+        kw["sliding_window"] = draw(
+            st.one_of(st.integers(0, 3 * local), st.tuples(st.integers(0, 9), st.integers(0, 9))))
     if draw(st.booleans()):
         kw["logits_soft_cap"] = draw(st.floats(0.5, 30.0))
     blocks = XlaConfig(block_q=draw(st.integers(1, 8)), block_kv=draw(st.integers(1, 8)))

@@ -17,8 +17,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import check_against_reference, make_inputs, reference_for
 from ringjax.xla import XlaConfig
+
+from harness import check_against_reference, make_inputs, reference_for
 
 BLOCKS = XlaConfig(block_q=4, block_kv=4)  # several blocks per shard: block skipping is exercised
 LAYOUTS = ["contiguous", "zigzag", "striped"]

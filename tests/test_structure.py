@@ -7,8 +7,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import mesh_of
 from ringjax.xla import XlaConfig
+
+from harness import mesh_of
 
 
 def _compiled(n, seq, fwd_only=False, **kw):

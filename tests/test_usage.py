@@ -14,8 +14,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from harness import TOLERANCE, make_inputs, mesh_of, reference_for, rel_err
 from ringjax import calling, registry
+
+from harness import TOLERANCE, make_inputs, mesh_of, reference_for, rel_err
 
 
 def _need(n):
