@@ -34,6 +34,15 @@ def timeit(fn, *args, reps=10):
     return statistics.median(times)
 
 
+def _parts(cfg, opts, info, lse2, delta):
+    """{kernel: (matmuls per block pair, fn(q, k, v, do))} of one step."""
+    return {
+        "forward": (2, lambda q, k, v, do: kernels.block_fwd(q, k, v, info, info, opts, cfg)),
+        "dq": (3, lambda q, k, v, do: kernels._launch_dq(q, k, v, do, lse2, delta, info, info, [], opts, cfg)),
+        "dkv": (4, lambda q, k, v, do: kernels._launch_dkv(q, k, v, do, lse2, delta, info, info, [], opts, cfg)),
+    }
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--seqs", default="8192,32768")
@@ -53,13 +62,7 @@ def main():
             opts = AttentionOptions(causal=causal, softmax_scale=D ** -0.5)
             unit = 4.0 * B * H * t * t * D / 2 / (2 if causal else 1)  # FLOPs of one matmul over all pairs
             for cfg in configs:
-                parts = {
-                    "forward": (2, lambda q, k, v, do, cfg=cfg: kernels.block_fwd(q, k, v, info, info, opts, cfg)),
-                    "dq": (3, lambda q, k, v, do, cfg=cfg: kernels._launch_dq(q, k, v, do, lse2, delta, info, info,
-                                                                            [], opts, cfg)),
-                    "dkv": (4, lambda q, k, v, do, cfg=cfg: kernels._launch_dkv(q, k, v, do, lse2, delta, info,
-                                                                              info, [], opts, cfg)),
-                }
+                parts = _parts(cfg, opts, info, lse2, delta)
                 for name, (mm, fn) in parts.items():
                     ms = timeit(jax.jit(fn), q, k, v, do, reps=args.reps) * 1e3
                     print(f"parts T={t} causal={causal} kernel={name} ms={ms:.3f} "

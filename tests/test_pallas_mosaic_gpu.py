@@ -55,10 +55,11 @@ def _step_reference(q, k, v, do, mask, scale, cap):
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
-    l = p.sum(-1, keepdims=True)
-    p = p / np.where(l > 0, l, 1.0)
+    total = p.sum(-1, keepdims=True)
+    p = p / np.where(total > 0, total, 1.0)
     out = np.einsum("bhts,bshd->bthd", p, vr)
-    lse = np.where(l[..., 0] > 0, np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)) + m[..., 0], -np.inf)
+    total = total[..., 0]
+    lse = np.where(total > 0, np.log(np.where(total > 0, total, 1.0)) + m[..., 0], -np.inf)
     delta = np.einsum("bthd,bthd->bht", do, out)
     ds = p * (np.einsum("bthd,bshd->bhts", do, vr) - delta[..., None]) * slope
     b, sk, kvh, d = k.shape
@@ -201,6 +202,8 @@ def _problem(**kw):
     (dict(opts=AttentionOptions(has_alibi=True)), "ALiBi is not implemented"),
     (dict(opts=AttentionOptions(dropout_rate=0.1)), "dropout is not implemented"),
     (dict(opts=AttentionOptions(num_sink_tokens=2)), "sink tokens"),
+    (dict(opts=AttentionOptions(gather_kv=True)), "all-gather K/V schedule"),
+    (dict(opts=AttentionOptions(subshards=2)), "subshards"),
     (dict(opts=AttentionOptions(chunk_size=8, has_segments=True)), "per-document chunks"),
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),

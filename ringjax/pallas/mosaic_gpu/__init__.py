@@ -11,10 +11,17 @@ import dataclasses
 import functools
 
 from ringjax.pallas.mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
-from ringjax.registry import Problem
+from ringjax.registry import Problem, unknown_options
 from ringjax.ring import BlockKernel, ring_attention_shard
 
 _DTYPES = ("bfloat16", "float16")
+# AttentionOptions fields these kernels implement; any other set away from its default is refused.
+# Not gather_kv / subshards: the kernels take positions as block start + a layout stride, which
+# those schedules change (all-gathered keys in natural order, interleaved subshards).
+KNOWN_OPTIONS = frozenset({"causal", "window", "softmax_scale", "logits_soft_cap", "layout", "axis_name",
+                           "axis_size", "has_segments", "has_sinks", "chunk_size"})
+_FEATURE_NAMES = {"has_alibi": "ALiBi", "dropout_rate": "dropout", "num_sink_tokens": "sink tokens (num_sink_tokens)",
+                  "gather_kv": "the all-gather K/V schedule (gather_kv)", "subshards": "subshards (hybrid strategy)"}
 _HEAD_DIMS = (64, 128)
 _MIN_JAX = (0, 11)
 # what the kernels call; a jax without one of them cannot build them
@@ -41,7 +48,7 @@ def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jax_refusal() -> str | None:
     import jax
 
@@ -58,7 +65,7 @@ def _jax_refusal() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_refusal(platform: str) -> str | None:
     import jax
 
@@ -75,7 +82,7 @@ def _device_refusal(platform: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def interpreter_refusal() -> str | None:
     """Why `MosaicGpuConfig(interpret=True)` cannot run here (jax's GPU interpreter), or None."""
     why = _jax_refusal()
@@ -92,10 +99,10 @@ def interpreter_refusal() -> str | None:
 
 def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | None:
     opts = problem.opts
-    for flag, what in ((opts.has_alibi, "ALiBi"), (opts.dropout_rate > 0, "dropout"),
-                       (opts.num_sink_tokens > 0, "sink tokens (num_sink_tokens)")):
-        if flag:
-            return f"{what} is not implemented in the Mosaic GPU kernels (the Triton 'pallas_gpu' or 'xla' has it)"
+    unknown = unknown_options(opts, KNOWN_OPTIONS)
+    if unknown:
+        what = ", ".join(_FEATURE_NAMES.get(name, name) for name in unknown)
+        return f"{what} is not implemented in the Mosaic GPU kernels (the Triton 'pallas_gpu' or 'xla' has it)"
     if opts.chunk_size is not None and opts.has_segments:
         return "chunk_size with segment_ids (per-document chunks) is not implemented in the Mosaic GPU kernels"
     if problem.dtype not in _DTYPES:

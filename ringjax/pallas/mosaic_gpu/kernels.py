@@ -282,7 +282,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                 plgpu.barrier_wait(k_bar.at[lax.rem(blk + 1 - lo, jnp.int32(stages))])
 
         def step(blk, carry, kind):
-            acc, m, l = carry
+            acc, m, row_sum = carry
             slot = lax.rem(blk - lo, jnp.int32(stages))
             if kind == "skip":
                 schedule()
@@ -316,9 +316,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l = l * alpha + p.sum(axis=1)
+            row_sum = row_sum * alpha + p.sum(axis=1)
             p16 = p.astype(q_ref.dtype)
-            acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(sched)
@@ -326,7 +326,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             # the next K's barrier is awaited while this matmul runs
             (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(blk))
             plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l
+            return acc, m_new, row_sum
 
         init = (_zeros((ROWS, d)), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
                                                      plgpu.Layout.WGMMA.reduce(1)),
@@ -337,11 +337,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
-        acc, m, l = _walk_tile(lo, n, my, step, init, walk.ranged)
+        acc, m, row_sum = _walk_tile(lo, n, my, step, init, walk.ranged)
         pl.when(wg == 0)(schedule)
 
-        seen = l > 0.0
-        l_safe = jnp.where(seen, l, 1.0)
+        seen = row_sum > 0.0
+        l_safe = jnp.where(seen, row_sum, 1.0)
         acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
         lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
         _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])

@@ -13,16 +13,15 @@ import jax.numpy as jnp
 
 from ringjax.masks import BlockRange, TokenInfo, fully_visible, may_skip, maybe_visible
 from ringjax.options import AttentionOptions
+from ringjax.tiles import block_ranges
 
 
 def _ranges(info: TokenInfo, size: int, pos_axis: int, seg_axis: int) -> BlockRange:
-    n = info.pos.shape[0] // size
-    pos = info.pos.reshape(n, size)
-    lo, hi = jnp.expand_dims(pos.min(axis=1), pos_axis), jnp.expand_dims(pos.max(axis=1), pos_axis)
-    if info.seg is None:
-        return BlockRange(lo, hi, None, None)
-    seg = info.seg.reshape(info.seg.shape[0], n, size)
-    return BlockRange(lo, hi, jnp.expand_dims(seg.min(axis=2), seg_axis), jnp.expand_dims(seg.max(axis=2), seg_axis))
+    """`tiles.block_ranges` with positions along `pos_axis` and segment ids along `seg_axis` (broadcastable)."""
+    r = block_ranges(info, size)
+    pos = [jnp.expand_dims(x, pos_axis) for x in (r.pos_lo, r.pos_hi)]
+    seg = [None if x is None else jnp.expand_dims(x, seg_axis) for x in (r.seg_lo, r.seg_hi)]
+    return BlockRange(*pos, *seg)
 
 
 def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
