@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringjax import _compat
-from ringjax.options import LAYOUTS
+from ringjax.options import LAYOUTS, sequence_chunks
 
 
 def _check(layout: str, axis_size: int, seq: int) -> None:
@@ -22,7 +22,7 @@ def _check(layout: str, axis_size: int, seq: int) -> None:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if not isinstance(axis_size, int) or axis_size < 1:
         raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
-    chunks = axis_size * (2 if layout == "zigzag" else 1)
+    chunks = sequence_chunks(layout, axis_size)
     if seq % chunks:
         raise ValueError(f"sequence length {seq} must be divisible by {chunks} for layout {layout!r}")
 
