@@ -30,6 +30,9 @@ pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Palla
 from ringjax.pallas.tpu import IMPLEMENTATION, INTERPRET_IMPLEMENTATION, TpuConfig  # noqa: E402
 from ringjax.pallas.tpu.block import races_found, reset_interpreter  # noqa: E402
 
+# pallas_tpu_interpret is registered for CPU only; on a GPU machine these are left to the CPU run
+on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the Pallas TPU interpreter runs on CPU")
+
 
 @pytest.fixture(autouse=True)
 def _fresh_interpreter():
@@ -59,6 +62,7 @@ CASES = {
 }
 
 
+@on_cpu
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(case):
     n, layout, shape_kw, kw = CASES[case]
@@ -83,6 +87,7 @@ FUSED_CASES = {
 }
 
 
+@on_cpu
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
 def test_fused_ring_matches_reference_without_races(case, capfd):
     n, layout, shape_kw, kw = FUSED_CASES[case]
@@ -112,6 +117,7 @@ def _fused_run(n, x, backward):
         return jax.block_until_ready(jax.jit(f)(*args))
 
 
+@on_cpu
 @pytest.mark.parametrize("backward", [False, True])
 def test_race_detector_catches_a_ring_without_handshake(backward, monkeypatch, capfd):
     """Drop the 'slot is free' handshakes: a neighbour's DMA then overwrites K/V (or dK/dV) in use."""
@@ -125,6 +131,7 @@ def test_race_detector_catches_a_ring_without_handshake(backward, monkeypatch, c
     assert "RACE DETECTED" in capfd.readouterr().out
 
 
+@on_cpu
 def test_bfloat16_head_dim_64():
     x = make_inputs(7, seq=64, batch=1, heads=4, kv_heads=1, head_dim=64, dtype="bfloat16", sinks=True)
     kw = dict(causal=True, softmax_scale=0.3)
@@ -134,6 +141,7 @@ def test_bfloat16_head_dim_64():
     check_against_reference(got, reference_for(x, **kw), "bfloat16")
 
 
+@on_cpu
 def test_reference_check_can_fail():
     """The comparison detects a wrong result: the non-causal run fails against the causal reference."""
     n, layout, shape_kw, kw = CASES["1dev_gqa_multiblock"]  # same shapes: reuses that compiled ring
@@ -216,6 +224,7 @@ def test_config_validation_and_json_round_trip():
         assert INTERPRET_IMPLEMENTATION.default_config(problem).interpret
 
 
+@on_cpu
 def test_interpreter_registration_needs_interpret_config():
     x = make_inputs(1, seq=16, batch=1, heads=2, kv_heads=1)
     with pytest.raises(ValueError, match="interpret=True"):
@@ -286,6 +295,7 @@ def test_heuristic_and_candidates_fit_the_vmem_budget(dtype, head_dim):
         assert IMPLEMENTATION.default_config(problem) == TpuConfig(block_q=512, block_kv=512)
 
 
+@on_cpu
 def test_explicit_config_over_the_vmem_budget_is_refused_before_running():
     x = make_inputs(5, batch=1, seq=2048, heads=2, kv_heads=1)
     q, k, v = (jnp.asarray(x[name]) for name in ("q", "k", "v"))

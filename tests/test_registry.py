@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,17 +42,19 @@ class Refuses:
 
 
 REFUSES = Refuses()
+HERE = jax.default_backend()  # the fakes run here or elsewhere, whichever machine runs the tests
+ELSEWHERE = "gpu" if HERE == "tpu" else "tpu"
 
 
 @pytest.fixture
 def fakes():
     """Register fake implementations for this test only."""
     added = [
-        registry.register("ring_attention", "fake_refuses", platforms=("cpu",), priority=100,
+        registry.register("ring_attention", "fake_refuses", platforms=(HERE,), priority=100,
                           target=f"{__name__}:REFUSES"),
-        registry.register("ring_attention", "fake_gpu", platforms=("gpu",), priority=50,
+        registry.register("ring_attention", "fake_elsewhere", platforms=(ELSEWHERE,), priority=50,
                           target=f"{__name__}:REFUSES"),
-        registry.register("ring_attention", "fake_missing", platforms=("cpu",), priority=40,
+        registry.register("ring_attention", "fake_missing", platforms=(HERE,), priority=40,
                           target="ringjax_no_such_module:IMPLEMENTATION"),
     ]
     yield added
@@ -61,7 +64,7 @@ def fakes():
 
 def _problem(head_dim=16):
     return registry.Problem(opts=AttentionOptions(), batch=1, seq=8, heads=2, kv_heads=1, head_dim=head_dim,
-                            dtype="float32", platform="cpu")
+                            dtype="float32", platform=HERE)
 
 
 def _qkv(seed=0, t=8):
@@ -75,12 +78,12 @@ def _qkv(seed=0, t=8):
 def test_list_implementations(fakes):
     listed = {i["name"]: i for i in ringjax.list_implementations()}
     assert listed["xla"]["runs_here"] and listed["xla"]["platforms"] == ("cpu", "gpu", "tpu")
-    assert listed["fake_gpu"]["runs_here"] is False
+    assert listed["fake_elsewhere"]["runs_here"] is False
     names = [i["name"] for i in ringjax.list_implementations()]
     assert names.index("fake_refuses") < names.index("xla")  # highest priority first
-    registry.unregister("ring_attention", "fake_gpu")
-    fakes.remove(next(r for r in fakes if r.name == "fake_gpu"))
-    assert "fake_gpu" not in [i["name"] for i in ringjax.list_implementations()]
+    registry.unregister("ring_attention", "fake_elsewhere")
+    fakes.remove(next(r for r in fakes if r.name == "fake_elsewhere"))
+    assert "fake_elsewhere" not in [i["name"] for i in ringjax.list_implementations()]
 
 
 def test_auto_skips_refusing_implementations(fakes):
@@ -104,7 +107,7 @@ def test_every_refusal_is_listed(fakes):
         message = str(info.value)
         assert "no implementation of fake_op" in message
         assert "fake_refuses: head_dim 16 not supported" in message
-        assert "fake_gpu: runs on gpu, not cpu" in message
+        assert f"fake_elsewhere: runs on {ELSEWHERE}, not {HERE}" in message
         assert "fake_missing: cannot be imported" in message
     finally:
         for reg in fakes:
@@ -166,7 +169,7 @@ def test_config_json_required_field():
 
 
 def test_problem_resolves_device_kind():
-    p = _problem()
+    p = dataclasses.replace(_problem(), platform="cpu")
     assert p.device_kind == ""
     assert p.resolved().device_kind == registry.current_device_kind("cpu") == "cpu"
 

@@ -7,6 +7,9 @@ import json
 import pathlib
 import sys
 
+import jax
+import pytest
+
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "tpu_pod" / "ring_benchmark.py"
 
 
@@ -19,6 +22,8 @@ def _load():
 
 
 def test_ring_benchmark_single_process(tmp_path, capsys):
+    if jax.device_count() < 8:
+        pytest.skip(f"needs 8 devices, {jax.device_count()} {jax.default_backend()} devices here")
     bench = _load()
     out = tmp_path / "results.json"
     results = bench.main(["--seq-len", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
