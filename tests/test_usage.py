@@ -279,3 +279,50 @@ def test_layers_on_an_auto_mesh_with_data_axis(framework):
             out = ring(xs)  # eager, as a user tries it first
         want = dense(jnp.asarray(x))
     assert rel_err(ringjax.from_layout(np.asarray(out), "zigzag", 4), want) < 1e-5
+
+
+# ------------------------------------------------------ every public function, global and local
+
+def _public_calls(x, dtype):
+    """(function, positional arrays, in_specs over ("dp", "sp"), keyword arguments) per public function."""
+    q, k, v = (jnp.asarray(x[name], dtype) for name in ("q", "k", "v"))
+    bsd, tok = P("dp", "sp"), P("sp")
+    cu = jnp.asarray([0, 5, 5, 19, 40, 64], jnp.int32)  # an empty sequence, lengths across shard edges
+    flat = lambda a: a.reshape(-1, *a.shape[2:])  # noqa: E731  (batch 1 for varlen)
+    return {
+        "ring_attention": (ringjax.ring_attention, (q, k, v), (bsd,) * 3,
+                           dict(causal=True, sliding_window=13, logits_soft_cap=5.0)),
+        "ring_attention_kvpacked": (ringjax.ring_attention_kvpacked, (q, jnp.stack([k, v], axis=2)), (bsd,) * 2,
+                                    dict(causal=True)),
+        "ring_attention_qkvpacked": (ringjax.ring_attention_qkvpacked, (jnp.stack([q[:, :, :2], k, v], axis=2),),
+                                     (bsd,),
+                                     dict(causal=True, sliding_window=9)),
+        "ring_attention_varlen": (ringjax.ring_attention_varlen, (flat(q[:1]), flat(k[:1]), flat(v[:1]), cu),
+                                  (tok, tok, tok, P()), dict(causal=True)),
+        "dilated_attention": (ringjax.dilated_attention, (q, k, v), (bsd,) * 3,
+                              dict(segment_lengths=[16, 32], dilation_rates=[1, 2], causal=True)),
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["global", "shard_map"])
+@pytest.mark.parametrize("name", ["ring_attention", "ring_attention_kvpacked", "ring_attention_qkvpacked",
+                                  "ring_attention_varlen", "dilated_attention"])
+def test_every_public_function_on_global_and_local_arrays(name, mode, dtype):
+    """Each public attention function on an Auto (dp, sp) mesh equals its single-device call."""
+    _need(8)
+    mesh = _auto_mesh((2, 4), ("dp", "sp"))
+    x = make_inputs(28, batch=2, seq=64, heads=4, kv_heads=2, head_dim=64, dtype=dtype)
+    fn, args, specs, kw = _public_calls(x, dtype)[name]
+    expected = fn(*args, axis_name=None, **kw)
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    if mode == "global":
+        got = fn(*placed, mesh=mesh, **kw)
+    else:
+        local = jax.shard_map(lambda *a: fn(*a, axis_name="sp", **kw), mesh=mesh, in_specs=specs,
+                              out_specs=specs[0])
+        with jax.set_mesh(mesh):
+            got = jax.jit(local)(*placed)
+    assert got.dtype == jnp.dtype(dtype) and got.shape == expected.shape
+    assert "sp" in str(got.sharding.spec)
+    assert rel_err(np.asarray(got, np.float32), np.asarray(expected, np.float32)) < TOLERANCE[dtype]
