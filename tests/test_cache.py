@@ -224,14 +224,38 @@ def test_main_module_has_no_import_side_effects():
     assert result.returncode == 0 and result.stdout == "" and result.stderr == "", result.stderr
 
 
+def _problem_from_key(key):
+    """The Problem a portable key was made from (TypeError if the key names an option that no longer exists)."""
+    features = dict(key["features"])
+    features.pop("gqa_ratio")
+    features["logits_soft_cap"] = 1.0 if features["logits_soft_cap"] else None
+    if isinstance(features.get("window"), list):
+        features["window"] = tuple(features["window"])
+    axis_size = key["axis_size"]
+    opts = AttentionOptions(**features, axis_size=axis_size, axis_name="sp" if axis_size > 1 else None)
+    return registry.Problem(opts=opts, **key["shape"], dtype=key["dtype"], platform=key["platform"],
+                            device_kind=key["device_kind"])
+
+
 def test_shipped_files_are_valid():
+    """Every shipped entry is found by the key today's code builds for its problem, and its config loads."""
     files = cache.shipped_files()
     if not files:
         pytest.skip("ringjax ships no measured configs yet (ringjax/configs/ has no .json file)")
     for path in files:
         doc = cache.read_document(path)
-        for entry in doc["entries"].values():
-            assert "versions" not in entry["key"], f"{path.name}: shipped keys must be portable"
+        assert path.stem == cache.file_stem(doc["device_kind"])
+        for kid, entry in doc["entries"].items():
+            key = entry["key"]
+            assert "versions" not in key, f"{path.name}: shipped keys must be portable"
+            problem = _problem_from_key(key)
+            assert cache.portable_key(key["op"], key["implementation"], problem) == key, f"{path.name}: stale key"
+            assert kid == cache.key_id(key)
+            found = cache.lookup(key["op"], key["implementation"], problem)
+            assert found is not None and found[0] == "shipped" and found[1] == entry, path.name
+            reg = next(r for r in registry.registrations(key["op"]) if r.name == key["implementation"])
+            config = registry.config_from_json(reg.load().config_type, entry["config"])
+            assert type(config).__name__ == entry["config_type"]
 
 
 def test_cli_list_clear_and_implementations_tell_the_truth(cache_dir, capsys):
