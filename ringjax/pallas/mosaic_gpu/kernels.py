@@ -229,6 +229,42 @@ def _row_tile(walk: _Walk, cta, wg):
     return 2 * cta + wg, 0
 
 
+def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool):
+    """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and union.
+
+    Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles.
+    """
+    b = lax.axis_index("b")
+    hx, cta = lax.axis_index("h"), lax.axis_index("q")
+    row = b if has_seg else 0  # the visit table has a batch axis only with segments
+    tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
+    heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
+    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t, _ in tiles]
+    return (b, tiles, heads, bounds, *_union(*bounds))
+
+
+def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
+    """Producer of the forward and dQ kernels: K and V blocks lo..lo+n of KV head `kvh` by TMA.
+
+    Block i goes to slot i % stages once both consumers have released that slot's last use;
+    `refs`, `smem`, `loaded` and `free` are (K, V) pairs.
+    """
+
+    @pl.loop(0, n)
+    def _(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        rows = (b, pl.ds((lo + i) * bk, bk), kvh)
+        for ref, buf, bar, released in zip(refs, smem, loaded, free):  # K first: the consumers need it first
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(released.at[slot])
+
+            plgpu.copy_gmem_to_smem(ref.at[rows], buf.at[slot], bar.at[slot])
+
+    _drain(n, stages, *free)
+
+
 # --------------------------------------------------------------------------- forward
 
 
@@ -243,13 +279,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
     seg_bar = refs[0] if has_seg else None
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    b = lax.axis_index("b")
-    hx, cta = lax.axis_index("h"), lax.axis_index("q")
-    row = b if has_seg else 0
-    tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
-    heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
-    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t, _ in tiles]
-    lo, n = _union(*bounds)
+    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
     wg = lax.axis_index("wg")
 
     def schedule():
@@ -351,26 +381,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
-        kvh = lax.div(heads[0], jnp.int32(groups))
-
-        @pl.loop(0, n)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(stages))
-            rows = (b, pl.ds((lo + i) * bk, bk), kvh)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-        _drain(n, stages, k_free, v_free)
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+                   (k_bar, v_bar), (k_free, v_free))
 
 
 def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
@@ -467,13 +479,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
     seg_bar = refs[0] if has_seg else None
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    b = lax.axis_index("b")
-    hx, cta = lax.axis_index("h"), lax.axis_index("q")
-    row = b if has_seg else 0
-    tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
-    heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
-    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t, _ in tiles]
-    lo, n = _union(*bounds)
+    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
@@ -538,26 +544,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
-        kvh = lax.div(heads[0], jnp.int32(groups))
-
-        @pl.loop(0, n)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(stages))
-            rows = (b, pl.ds((lo + i) * bk, bk), kvh)
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(k_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(v_free.at[slot])
-
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-        _drain(n, stages, k_free, v_free)
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+                   (k_bar, v_bar), (k_free, v_free))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
