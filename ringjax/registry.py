@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 import math
 from typing import Any, Protocol
 
@@ -225,6 +226,30 @@ def config_from_json(config_type: type, data: Any):
         return config_type(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"invalid {name} JSON {data!r}: {e}") from e
+
+
+class KernelConfig:
+    """Base of the backends' frozen-dataclass configs: field checks and a JSON round trip."""
+
+    def _check_ints(self, names, valid, expected: str) -> None:
+        """ValueError naming `Type.field` unless each named field is an int (not a bool) with valid(value)."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not valid(value):
+                raise ValueError(f"{type(self).__name__}.{name} must be {expected}, got {value!r}")
+
+    def _check_bools(self, names) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}.{name} must be a bool, got {type(value).__name__}")
+
+    def to_json(self) -> str:
+        return json.dumps(config_to_json(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return config_from_json(cls, json.loads(text))
 
 
 def _to_json(value, where: str):

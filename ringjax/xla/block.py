@@ -28,21 +28,19 @@ from ringjax.masks import (
 )
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
+from ringjax.registry import KernelConfig
 from ringjax.tiles import Tiling, block_ranges, matmul_precision, pick_block
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaConfig:
+class XlaConfig(KernelConfig):
     """Block sizes of the XLA step; each is shrunk to a divisor of the shard length."""
 
     block_q: int = 512
     block_kv: int = 512
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"XlaConfig.{name} must be a positive int, got {value!r}")
+        self._check_ints(("block_q", "block_kv"), lambda v: v >= 1, "a positive int")
 
 
 def _blocks(info: TokenInfo, n: int, size: int):

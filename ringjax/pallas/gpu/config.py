@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 
 from ringjax.options import AttentionOptions
+from ringjax.registry import KernelConfig
 from ringjax.tiles import pick_block
 
 MIN_BLOCK = 16  # Triton's dot needs every operand dimension >= 16
@@ -23,7 +23,7 @@ def _is_pow2(x: int) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuConfig:
+class GpuConfig(KernelConfig):
     """Launch parameters of the forward and backward kernels.
 
     Block sizes are powers of two >= 16; each is shrunk to the largest power of two
@@ -45,28 +45,11 @@ class GpuConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not _is_pow2(value) or value < MIN_BLOCK:
-                raise ValueError(f"GpuConfig.{name} must be a power of two >= {MIN_BLOCK}, got {value!r}")
-        for name in ("num_warps", "bwd_num_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2, 4, 8, 16):
-                raise ValueError(f"GpuConfig.{name} must be one of 1, 2, 4, 8, 16, got {value!r}")
-        for name in ("num_stages", "bwd_num_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
-                raise ValueError(f"GpuConfig.{name} must be an int in [1, 8], got {value!r}")
-        for name in ("bwd_fused", "interpret"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"GpuConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> GpuConfig:
-        return cls(**json.loads(text))
+        self._check_ints(("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"),
+                         lambda v: _is_pow2(v) and v >= MIN_BLOCK, f"a power of two >= {MIN_BLOCK}")
+        self._check_ints(("num_warps", "bwd_num_warps"), lambda v: v in (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
+        self._check_ints(("num_stages", "bwd_num_stages"), lambda v: 1 <= v <= 8, "an int in [1, 8]")
+        self._check_bools(("bwd_fused", "interpret"))
 
 
 def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: int) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from ringjax.registry import KernelConfig
 
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
@@ -11,7 +12,7 @@ _BLOCKS = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicGpuConfig:
+class MosaicGpuConfig(KernelConfig):
     """Block sizes and pipeline depths of the forward, dQ and dK/dV kernels.
 
     Each kernel runs two consumer warpgroups of 64 query (or key) rows and one producer
@@ -35,17 +36,10 @@ class MosaicGpuConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for name in ("block_kv", "dq_block_kv", "dkv_block_q"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value not in _BLOCKS:
-                raise ValueError(f"MosaicGpuConfig.{name} must be one of {_BLOCKS}, got {value!r}")
-        for name in ("num_stages", "dq_num_stages", "dkv_num_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 6:
-                raise ValueError(f"MosaicGpuConfig.{name} must be an int in [2, 6], got {value!r}")
-        for name in ("pair_heads", "interpret"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"MosaicGpuConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        self._check_ints(("block_kv", "dq_block_kv", "dkv_block_q"), lambda v: v in _BLOCKS, f"one of {_BLOCKS}")
+        self._check_ints(("num_stages", "dq_num_stages", "dkv_num_stages"), lambda v: 2 <= v <= 6,
+                         "an int in [2, 6]")
+        self._check_bools(("pair_heads", "interpret"))
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> dict[str, int]:
         """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""
@@ -58,10 +52,3 @@ class MosaicGpuConfig:
         dkv = 4 * tile + self.dkv_num_stages * (2 * self.dkv_block_q * d * itemsize + 2 * self.dkv_block_q * 4)
         dkv += epilogue
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> MosaicGpuConfig:
-        return cls(**json.loads(text))

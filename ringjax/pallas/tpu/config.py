@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from ringjax.options import AttentionOptions
-from ringjax.registry import unknown_options
+from ringjax.registry import KernelConfig, unknown_options
 from ringjax.tiles import divisor_block, pick_block
 
 DTYPES = ("float32", "bfloat16")
@@ -26,7 +26,7 @@ KNOWN_OPTIONS = frozenset(
 
 
 @dataclasses.dataclass(frozen=True)
-class TpuConfig:
+class TpuConfig(KernelConfig):
     """Block sizes and execution mode of the Pallas TPU ring.
 
     block_q, block_kv: upper bounds; each is shrunk to a sublane-aligned divisor of the
@@ -47,13 +47,8 @@ class TpuConfig:
     detect_races: bool = False
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"TpuConfig.{name} must be a positive int, got {value!r}")
-        for name in ("fused", "interpret", "detect_races"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"TpuConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        self._check_ints(("block_q", "block_kv"), lambda v: v >= 1, "a positive int")
+        self._check_bools(("fused", "interpret", "detect_races"))
         if self.detect_races and not self.interpret:
             raise ValueError("TpuConfig.detect_races needs interpret=True (races are detected by the interpreter)")
 
