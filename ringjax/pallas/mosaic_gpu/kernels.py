@@ -243,6 +243,12 @@ def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool):
     return (b, tiles, heads, bounds, *_union(*bounds))
 
 
+def _consumer_share(wg, tiles, heads, bounds):
+    """Consumer `wg`'s row tile, head and visit bounds, selected without a branch."""
+    pick = functools.partial(jnp.where, wg == 0)
+    return pick(tiles[0][0], tiles[1][0]), pick(heads[0], heads[1]), [pick(a, c) for a, c in zip(*bounds)]
+
+
 def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
     """Producer of the forward and dQ kernels: K and V blocks lo..lo+n of KV head `kvh` by TMA.
 
@@ -289,9 +295,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
-        tile = jnp.where(wg == 0, tiles[0][0], tiles[1][0])
-        head = jnp.where(wg == 0, heads[0], heads[1])
-        my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
+        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
@@ -485,9 +489,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(_REGS["dq"][0], action="increase")
-        tile = jnp.where(wg == 0, tiles[0][0], tiles[1][0])
-        head = jnp.where(wg == 0, heads[0], heads[1])
-        my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
+        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         rows = (b, pl.ds(q0, ROWS), head)
