@@ -16,9 +16,7 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -29,26 +27,14 @@ from jax.sharding import PartitionSpec as P
 import ringjax
 from ringjax.pallas.gpu import GpuConfig
 
+from common import attention_flops, timeit  # benchmarks/ is on sys.path when a script runs
+
 B, H, KVH, D = 1, 32, 8, 128
 DT = jnp.bfloat16
 
 
 def flops(t_total, causal, bwd):
-    f = 4.0 * B * H * t_total * t_total * D
-    if causal:
-        f /= 2
-    return f * (3.5 if bwd else 1.0)
-
-
-def timeit(fn, *args, reps=10, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return attention_flops(B, H, t_total, D, causal, bwd)
 
 
 def inputs(t, sharding=None, seed=0):

@@ -23,9 +23,7 @@ import datetime
 import json
 import logging
 import os
-import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,24 +34,14 @@ from jax.sharding import PartitionSpec as P
 import ringjax
 from ringjax import autotuning, plan, registry
 
+from common import attention_flops, timeit  # benchmarks/ is on sys.path when a script runs
+
 B, H, D = 1, 32, 128
 DT = jnp.bfloat16
 
 
-def timeit(fn, *args, reps=10, warmup=2):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def flops(total_t, causal, bwd):
-    f = 4.0 * B * H * total_t * total_t * D * (0.5 if causal else 1.0)
-    return f * (3.5 if bwd else 1.0)
+    return attention_flops(B, H, total_t, D, causal, bwd)
 
 
 def mesh_for(strategy, n):

@@ -10,8 +10,6 @@ half when causal), so it compares a kernel with the matmul ceiling rather than w
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -20,18 +18,9 @@ from ringjax.masks import TokenInfo
 from ringjax.options import AttentionOptions
 from ringjax.pallas.mosaic_gpu import MosaicGpuConfig, kernels
 
+from common import timeit  # benchmarks/ is on sys.path when a script runs
+
 B, H, KVH, D = 1, 32, 8, 128
-
-
-def timeit(fn, *args, reps=10):
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _parts(cfg, opts, info, lse2, delta):
