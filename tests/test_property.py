@@ -1,5 +1,6 @@
 """Property-based check: random shapes, device counts and feature combinations."""
 
+import jax
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -10,7 +11,7 @@ from harness import check_against_reference, make_inputs, reference_for, run_rin
 
 @st.composite
 def problems(draw):
-    n = draw(st.sampled_from([1, 2, 4, 8]))
+    n = draw(st.sampled_from([n for n in (1, 2, 4, 8) if n <= len(jax.devices())]))  # a 1-GPU machine runs n = 1
     layout = draw(st.sampled_from(["contiguous", "zigzag", "striped"]))
     chunk = 2 if layout == "zigzag" else 1
     local = chunk * draw(st.integers(1, 6))
