@@ -2,13 +2,13 @@
 
 from ringjax._version import __version__ as __version__
 from ringjax.api import ring_attention
-from ringjax.autotuning import TuneSettings, autotune
 from ringjax.dilated import dilated_attention
+from ringjax.dispatch.autotuning import TuneSettings, autotune
+from ringjax.dispatch.registry import config_from_json, config_to_json, list_implementations
 from ringjax.layouts import from_layout, to_layout
 from ringjax.merge import merge_attention, merge_attention_many
 from ringjax.options import AttentionOptions
 from ringjax.packed import ring_attention_kvpacked, ring_attention_qkvpacked, ring_attention_varlen
-from ringjax.registry import config_from_json, config_to_json, list_implementations
 
 __all__ = [
     "AttentionOptions",

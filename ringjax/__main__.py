@@ -43,7 +43,7 @@ def _cache_entries_table(entries: dict, current: dict | None) -> list[str]:
 
 
 def _load_file(path: Path):
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     try:
         return cache.read_document(path), None
@@ -65,7 +65,7 @@ def _cmd_implementations(args) -> int:
 
 
 def _cmd_cache_list(args) -> int:
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     folder = cache.cache_dir()
     state = "" if folder.is_dir() else " (does not exist yet: nothing has been tuned or imported)"
@@ -82,7 +82,7 @@ def _cmd_cache_list(args) -> int:
 
 
 def _selected_files(args) -> list[Path]:
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     files = cache.user_files()
     if args.device_kind:
@@ -91,7 +91,7 @@ def _selected_files(args) -> list[Path]:
 
 
 def _cmd_cache_show(args) -> int:
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     current = cache.versions()
     files = list(_selected_files(args))
@@ -115,7 +115,7 @@ def _cmd_cache_show(args) -> int:
 
 
 def _cmd_cache_clear(args) -> int:
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     for path in _selected_files(args):
         doc, _ = _load_file(path)
@@ -132,7 +132,7 @@ def _cmd_cache_clear(args) -> int:
 
 
 def _cmd_cache_export(args) -> int:
-    from ringjax import cache, registry
+    from ringjax.dispatch import cache, registry
 
     kind = args.device_kind or registry.current_device_kind()
     doc, err = _load_file(cache.user_path(kind))
@@ -157,7 +157,7 @@ def _cmd_cache_export(args) -> int:
 
 
 def _cmd_cache_import(args) -> int:
-    from ringjax import cache
+    from ringjax.dispatch import cache
 
     doc, err = _load_file(Path(args.file))
     if doc is None:
@@ -187,7 +187,7 @@ def _cmd_tune(args) -> int:
 
     import jax
 
-    from ringjax import autotuning, registry
+    from ringjax.dispatch import autotuning, registry
 
     settings = autotuning.TuneSettings(
         warmup=args.warmup, repeats=args.repeats, backward=not args.forward_only, progress=not args.no_progress,
@@ -222,7 +222,7 @@ def _cmd_tune(args) -> int:
 def _cmd_strategy(args) -> int:
     import dataclasses
 
-    from ringjax import plan
+    from ringjax.strategies import plan
 
     hybrid = tuple(args.hybrid) if args.hybrid else None
     if args.chip not in plan.CHIPS:
@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_cache_import)
 
     p = sub.add_parser("strategy", help="the cost model's prediction for each strategy, and what 'auto' picks")
-    p.add_argument("--chip", required=True, help="one of ringjax.plan.CHIPS: h100, h200, tpu_v4, tpu_v5e, ...")
+    p.add_argument("--chip", required=True, help="one of ringjax.strategies.plan.CHIPS: h100, h200, tpu_v4, ...")
     p.add_argument("--devices", type=_positive_int, required=True, help="devices the sequence is split over")
     p.add_argument("--seq", type=_positive_int, required=True, help="global sequence length")
     p.add_argument("--heads", type=_positive_int, required=True)

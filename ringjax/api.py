@@ -6,10 +6,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from ringjax import _compat, autotuning, calling, registry, strategies
-from ringjax.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
-from ringjax.masks import Extras
+from ringjax import _compat
+from ringjax.core.masks import Extras
+from ringjax.dispatch import autotuning, calling, registry
+from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
 from ringjax.options import check_inputs, make_options
+from ringjax.strategies import auto as strategy_auto
+from ringjax.strategies import spread as strategies
 
 OP = "ring_attention"
 # odd constants: each batch/head shard of a global call draws its own dropout stream
@@ -60,7 +63,7 @@ def ring_attention(
     "all_gather" (K/V gathered once), "ulysses" (all-to-all to whole sequences of a slice of
     the heads), "hybrid" (ulysses over one axis, ring over another: axis_name=(head_axis,
     ring_axis), the sequence split over both, head axis major) or "auto" (the cost model of
-    `ringjax.plan` decides; logged to "ringjax.strategy"). See docs/strategies.md.
+    `ringjax.strategies.plan` decides; logged to "ringjax.strategy"). See docs/strategies.md.
     """
     strategies.check_strategy(strategy, axis_name)
     call = calling.resolve(axis_name, mesh, allow_pair=strategy in ("hybrid", "auto"))
@@ -100,7 +103,7 @@ def ring_attention(
         platform=registry.current_platform(),
     )
     if strategy == "auto":
-        strat = strategies.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,
+        strat = strategy_auto.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,
                                   autotune=autotune)
     else:
         strat = strategies.bind(strategy, call.axis_name, call.axis_sizes())

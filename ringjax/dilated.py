@@ -24,9 +24,10 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from ringjax import _compat, calling
+from ringjax import _compat
 from ringjax.api import ring_attention
-from ringjax.calling import HEADS, LSE, SEQ, TOKENS
+from ringjax.dispatch import calling
+from ringjax.dispatch.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention_many
 from ringjax.options import check_inputs, chunks_per_shard, make_options

@@ -11,8 +11,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
-from ringjax import calling
 from ringjax.api import ring_attention
+from ringjax.dispatch import calling
 from ringjax.layouts import local_positions
 from ringjax.options import chunks_per_shard, sequence_chunks
 

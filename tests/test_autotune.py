@@ -17,9 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax import autotuning, cache, registry
+from ringjax.backends.xla import XlaConfig
+from ringjax.backends.xla.implementation import XlaImplementation
+from ringjax.dispatch import autotuning, cache, registry
 from ringjax.options import AttentionOptions
-from ringjax.xla import XlaConfig, XlaImplementation
 
 from harness import check_against_reference, make_inputs, mesh_of, reference_for, rel_err, run_ring
 
@@ -53,7 +54,7 @@ def candidates(monkeypatch):
 def measured(monkeypatch):
     """Record what every timing call receives, and whether a trace was active around it."""
     calls = []
-    original = autotuning._measure
+    original = autotuning.measure
 
     def spy(compiled, args, settings):
         leaves = jax.tree.leaves(args)
@@ -64,7 +65,7 @@ def measured(monkeypatch):
         })
         return original(compiled, args, settings)
 
-    monkeypatch.setattr(autotuning, "_measure", spy)
+    monkeypatch.setattr(autotuning, "measure", spy)
     return calls
 
 
@@ -206,7 +207,7 @@ CHILD = textwrap.dedent("""
     import json
     import jax.numpy as jnp, numpy as np
     import ringjax
-    from ringjax import autotuning
+    from ringjax.dispatch import autotuning
     def no_tuning(*a, **k):
         raise AssertionError("tuned again in a new process")
     autotuning._tune_outside_trace = no_tuning

@@ -16,10 +16,10 @@ import jax
 import pytest
 
 import ringjax
-from ringjax import cache, registry
 from ringjax.__main__ import main as cli
+from ringjax.backends.xla import XlaConfig
+from ringjax.dispatch import cache, registry
 from ringjax.options import AttentionOptions
-from ringjax.xla import XlaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +91,7 @@ def test_put_get_merge_atomic(cache_dir):
 WRITER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from ringjax import cache
+    from ringjax.dispatch import cache
     worker, count, directory = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     (directory / f"ready-{worker}").touch()
     while not (directory / "go").exists():

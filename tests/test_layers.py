@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax.rotary import apply_rotary, token_positions
+from ringjax.layers.rotary import apply_rotary, token_positions
 
 from harness import rel_err
 
@@ -208,7 +208,7 @@ def test_layer_config_validation():
 
 
 def test_core_import_does_not_import_optional_packages():
-    code = ("import sys, ringjax, ringjax.rotary; "
+    code = ("import sys, ringjax, ringjax.layers.rotary; "
             "bad = [m for m in ('flax', 'equinox', 'optax', 'matplotlib', 'tqdm') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -219,8 +219,8 @@ def test_linen_attributes_are_the_layer_config_fields():
     """Linen declares its attributes; they must stay the config's fields (but in_features), defaults included."""
     import dataclasses
 
-    from ringjax._attention_layer import AttentionLayerConfig
     from ringjax.flax import LinenMultiHeadAttention
+    from ringjax.layers.core import AttentionLayerConfig
 
     config = {f.name: f.default for f in dataclasses.fields(AttentionLayerConfig) if f.name != "in_features"}
     linen = {f.name: f.default for f in dataclasses.fields(LinenMultiHeadAttention) if f.name in config}
@@ -230,7 +230,7 @@ def test_linen_attributes_are_the_layer_config_fields():
 @pytest.mark.parametrize("framework", [pytest.param("nnx", marks=needs_flax),
                                        pytest.param("equinox", marks=needs_equinox)])
 def test_layer_takes_a_config_or_its_fields(framework):
-    from ringjax._attention_layer import AttentionLayerConfig
+    from ringjax.layers.core import AttentionLayerConfig
 
     if framework == "nnx":
         from flax import nnx

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import ringjax
-from ringjax import registry
+from ringjax.backends.pallas_mosaic_gpu.implementation import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
+from ringjax.core.masks import TokenInfo
+from ringjax.dispatch import registry
 from ringjax.layouts import local_positions
-from ringjax.masks import TokenInfo
 from ringjax.options import AttentionOptions
-from ringjax.pallas.mosaic_gpu import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
 
 from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
 from reference import mask_reference
@@ -71,7 +71,7 @@ def _step_reference(q, k, v, do, mask, scale, cap):
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
                 config=SMALL, **kw):
     """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys)."""
-    from ringjax.pallas.mosaic_gpu.kernels import block_bwd, block_fwd
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     total = local * n
     kw.setdefault("softmax_scale", head_dim ** -0.5)
@@ -199,8 +199,8 @@ def _problem(**kw):
     (dict(dtype="float32"), "dtype float32 is not supported"),
     (dict(head_dim=256), "head_dim 256 is not supported"),
     (dict(head_dim=96), "head_dim 96 is not supported"),
-    (dict(opts=AttentionOptions(has_alibi=True)), "ALiBi is not implemented"),
-    (dict(opts=AttentionOptions(dropout_rate=0.1)), "dropout is not implemented"),
+    (dict(opts=AttentionOptions(has_alibi=True)), "ALiBi (`alibi_slopes`) is not implemented in pallas_mosaic_gpu"),
+    (dict(opts=AttentionOptions(dropout_rate=0.1)), "dropout"),
     (dict(opts=AttentionOptions(num_sink_tokens=2)), "sink tokens"),
     (dict(opts=AttentionOptions(gather_kv=True)), "all-gather K/V schedule"),
     (dict(opts=AttentionOptions(subshards=2)), "subshards"),
@@ -215,7 +215,7 @@ def test_refusals_name_the_reason(kw, match):
 
 
 def test_refuses_a_config_over_the_shared_memory_budget():
-    from ringjax.pallas.mosaic_gpu import _refusal
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _refusal
 
     big = MosaicGpuConfig(block_kv=256, num_stages=4)
     assert "bytes of shared memory in its forward kernel" in _refusal(_problem(), big)
@@ -227,14 +227,14 @@ def test_refuses_without_a_hopper_gpu():
     assert why is not None and ("no gpu device" in why or "compute capability" in why or "jax >=" in why), why
 
 
-def test_registered_lazily_above_pallas_gpu():
+def test_registered_lazily_above_pallas_triton():
     import subprocess
     import sys
 
     regs = {r.name: r for r in registry.registrations("ring_attention")}
     assert regs["pallas_mosaic_gpu"].platforms == ("gpu",)
-    assert regs["pallas_mosaic_gpu"].priority > regs["pallas_gpu"].priority
-    code = "import sys, ringjax; sys.exit('ringjax.pallas.mosaic_gpu' in sys.modules)"
+    assert regs["pallas_mosaic_gpu"].priority > regs["pallas_triton"].priority
+    code = "import sys, ringjax; sys.exit('ringjax.backends.pallas_mosaic_gpu.implementation' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0, "importing ringjax imported the backend"
     # on CPU "auto" never picks it: the platform check comes first
     assert registry.choose("ring_attention", "auto", _problem(platform="cpu"))[0].name == "xla"
@@ -244,7 +244,7 @@ def test_auto_falls_back_to_triton_where_it_refuses():
     if not ON_HOPPER:
         pytest.skip("without a Hopper GPU pallas_mosaic_gpu refuses every gpu problem for want of a device")
     assert registry.choose("ring_attention", "auto", _problem())[0].name == "pallas_mosaic_gpu"
-    assert registry.choose("ring_attention", "auto", _problem(dtype="float32"))[0].name == "pallas_gpu"
+    assert registry.choose("ring_attention", "auto", _problem(dtype="float32"))[0].name == "pallas_triton"
 
 
 def test_explicit_request_explains_refusal():
@@ -267,7 +267,7 @@ def test_config_json_round_trip():
 
 
 def test_candidates_fit_shared_memory():
-    from ringjax.pallas.mosaic_gpu.config import SMEM_LIMIT
+    from ringjax.backends.pallas_mosaic_gpu.config import SMEM_LIMIT
 
     cands = IMPLEMENTATION.candidate_configs(_problem())
     assert cands and IMPLEMENTATION.default_config(_problem()) in cands
@@ -277,12 +277,12 @@ def test_candidates_fit_shared_memory():
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
 def test_kernels_lower_to_mosaic_gpu_for_cuda():
-    from ringjax.pallas.mosaic_gpu import _jax_refusal
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
         pytest.skip(_jax_refusal())
-    from ringjax.masks import TokenInfo
-    from ringjax.pallas.mosaic_gpu.kernels import block_bwd, block_fwd
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
+    from ringjax.core.masks import TokenInfo
 
     t = 256
     opts = AttentionOptions(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True, softmax_scale=0.1)

@@ -19,16 +19,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax import registry
-from ringjax.masks import Extras
+from ringjax.core.masks import Extras
+from ringjax.dispatch import registry
 from ringjax.options import AttentionOptions
 
 from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
 
 pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
 
-from ringjax.pallas.tpu import IMPLEMENTATION, INTERPRET_IMPLEMENTATION, TpuConfig  # noqa: E402
-from ringjax.pallas.tpu.block import races_found, reset_interpreter  # noqa: E402
+from ringjax.backends.pallas_tpu.implementation import IMPLEMENTATION, INTERPRET_IMPLEMENTATION, TpuConfig  # noqa: E402
+from ringjax.backends.pallas_tpu.kernels import races_found, reset_interpreter  # noqa: E402
 
 # pallas_tpu_interpret is registered for CPU only; on a GPU machine these are left to the CPU run
 on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the Pallas TPU interpreter runs on CPU")
@@ -121,7 +121,7 @@ def _fused_run(n, x, backward):
 @pytest.mark.parametrize("backward", [False, True])
 def test_race_detector_catches_a_ring_without_handshake(backward, monkeypatch, capfd):
     """Drop the 'slot is free' handshakes: a neighbour's DMA then overwrites K/V (or dK/dV) in use."""
-    from ringjax.pallas.tpu import ring
+    from ringjax.backends.pallas_tpu import fused_ring as ring
 
     monkeypatch.setattr(ring, "_wait_for_capacity", lambda capacity: None)
     monkeypatch.setattr(ring, "_grant_capacity", lambda capacity, opts, left: None)
@@ -286,7 +286,7 @@ def test_kernels_lower_for_tpu(n, dtype, opts, fused):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_heuristic_and_candidates_fit_the_vmem_budget(dtype, head_dim):
-    from ringjax.pallas.tpu import config as tpu_config
+    from ringjax.backends.pallas_tpu import config as tpu_config
 
     problem = _problem("tpu", seq=4096, head_dim=head_dim, dtype=dtype)
     for config in [IMPLEMENTATION.default_config(problem), *IMPLEMENTATION.candidate_configs(problem)]:

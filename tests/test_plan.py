@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from ringjax import plan as planmod
-from ringjax.plan import CHIPS, Chip, plan
+from ringjax.strategies import plan as planmod
+from ringjax.strategies.plan import CHIPS, Chip, plan
 
 
 def test_tpu_v5p_zigzag_causal_by_hand():
@@ -105,7 +105,7 @@ def test_bad_arguments_raise(kw, error):
 
 def test_strategy_costs_by_hand():
     """2 x H200, 8192 tokens per device, GQA 32/8, causal zigzag, at 100% of peak."""
-    from ringjax.plan import best_strategy, strategy_costs
+    from ringjax.strategies.plan import best_strategy, strategy_costs
 
     costs = {c.strategy: c for c in strategy_costs("h200", devices=2, seq_len=16384, heads=32, kv_heads=8,
                                                    head_dim=128, layout="zigzag", efficiency=1.0)}
@@ -130,7 +130,7 @@ def test_strategy_costs_by_hand():
 
 
 def test_strategy_costs_rule_out_and_prefer():
-    from ringjax.plan import best_strategy, chip_for, strategy_costs
+    from ringjax.strategies.plan import best_strategy, chip_for, strategy_costs
 
     # contiguous causal: the ring's and all-gather's slowest device does most of the work; ulysses does not
     costs = strategy_costs("h100", devices=4, seq_len=4 * 8192, heads=32, kv_heads=8, head_dim=128)

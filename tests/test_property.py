@@ -4,7 +4,7 @@ import jax
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ringjax.xla import XlaConfig
+from ringjax.backends.xla import XlaConfig
 
 from harness import check_against_reference, make_inputs, reference_for, run_ring
 

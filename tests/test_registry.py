@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import ringjax
-from ringjax import registry
+from ringjax.backends.xla import XlaConfig
+from ringjax.dispatch import registry
 from ringjax.options import AttentionOptions
-from ringjax.xla import XlaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +179,7 @@ class _FutureOptions(AttentionOptions):
     future_rule: int | None = None  # a feature no implementation has learnt yet
 
 
-@pytest.mark.parametrize("name", ["xla", "pallas_gpu_interpret", "pallas_tpu_interpret"])
+@pytest.mark.parametrize("name", ["xla", "pallas_triton_interpret", "pallas_tpu_interpret"])
 def test_every_implementation_refuses_an_option_it_does_not_know(name):
     impl = next(r for r in registry.registrations("ring_attention") if r.name == name).load()
     problem = registry.Problem(opts=_FutureOptions(future_rule=3), batch=1, seq=64, heads=2, kv_heads=1,

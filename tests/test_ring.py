@@ -20,7 +20,7 @@ def _check(x, n, layout="contiguous", **kw):
 
 
 def _small_blocks():
-    from ringjax.xla import XlaConfig
+    from ringjax.backends.xla import XlaConfig
 
     # several blocks per shard so block skipping and the online softmax are exercised
     return XlaConfig(block_q=4, block_kv=4)

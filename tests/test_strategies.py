@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax.xla import XlaConfig
+from ringjax.backends.xla import XlaConfig
 
 from harness import check_against_reference, make_inputs, reference_for
 
@@ -135,15 +135,15 @@ ON_GPU = jax.default_backend() == "gpu"
     ("ulysses", (2,), "striped", dict(heads=4, kv_heads=1, segments="random", sinks=True), dict(causal=True)),
     ("hybrid", (2, 2), "contiguous", dict(heads=4, kv_heads=2), dict(causal=True, logits_soft_cap=3.0)),
 ])
-def test_pallas_gpu_kernels(strategy, shape, layout, xkw, kw):
+def test_pallas_triton_kernels(strategy, shape, layout, xkw, kw):
     """The Triton kernels under each strategy (compiled on a GPU, in the Pallas interpreter elsewhere)."""
-    from ringjax.pallas.gpu import GpuConfig
+    from ringjax.backends.pallas_triton import GpuConfig
 
     config = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
                        interpret=not ON_GPU)
     x = make_inputs(41 + len(shape), seq=64 * len(shape), **xkw)
-    _check(x, shape, strategy, layout, "global", implementation="pallas_gpu" if ON_GPU else "pallas_gpu_interpret",
-           config=config, **kw)
+    impl = "pallas_triton" if ON_GPU else "pallas_triton_interpret"
+    _check(x, shape, strategy, layout, "global", implementation=impl, config=config, **kw)
 
 
 @pytest.mark.parametrize("strategy, shape, layout, fused", [
@@ -154,8 +154,8 @@ def test_pallas_gpu_kernels(strategy, shape, layout, xkw, kw):
 def test_pallas_tpu_kernels(strategy, shape, layout, fused):
     """The TPU kernels under each strategy, in the Pallas TPU interpreter."""
     pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
-    from ringjax.pallas.tpu import TpuConfig
-    from ringjax.pallas.tpu.block import reset_interpreter
+    from ringjax.backends.pallas_tpu import TpuConfig
+    from ringjax.backends.pallas_tpu.kernels import reset_interpreter
 
     reset_interpreter()
     x = make_inputs(43 + len(shape), seq=32 * len(shape), batch=1, heads=4, kv_heads=2, sinks=True,
@@ -245,7 +245,7 @@ def test_single_device_strategies_agree():
 
 
 def _base(seq, heads, kv_heads, *, causal=True, layout="contiguous", dtype="bfloat16", **kw):
-    from ringjax import registry
+    from ringjax.dispatch import registry
     from ringjax.options import make_options
 
     opts = make_options(jnp.zeros((1, 1, 1, 128), dtype), causal=causal, sliding_window=kw.get("window"),
@@ -262,7 +262,8 @@ def _base(seq, heads, kv_heads, *, causal=True, layout="contiguous", dtype="bflo
     ("zigzag", 32, 8, 8, 2048),
 ])
 def test_auto_follows_the_cost_model(layout, heads, kv_heads, n, tokens):
-    from ringjax import plan, strategies
+    from ringjax.strategies import plan
+    from ringjax.strategies import spread as strategies
 
     chip = plan.CHIPS["h200"]
     costs = plan.strategy_costs(chip, devices=n, seq_len=n * tokens, heads=heads, kv_heads=kv_heads, head_dim=128,
@@ -278,7 +279,8 @@ def test_auto_follows_the_cost_model(layout, heads, kv_heads, n, tokens):
 
 
 def test_auto_rules_out_what_cannot_run():
-    from ringjax import plan, strategies
+    from ringjax.strategies import plan
+    from ringjax.strategies import spread as strategies
 
     # 6 heads do not split over 4 devices; a chip with little HBM cannot hold the gathered K/V
     small = dataclasses.replace(plan.CHIPS["h200"], hbm_bytes=4 * 2**30)
@@ -299,7 +301,7 @@ def test_auto_end_to_end_logs_its_choice(monkeypatch, caplog):
     """On a (pretended) H200 the model picks ulysses for contiguous causal; the result is exact."""
     import logging
 
-    from ringjax import registry
+    from ringjax.dispatch import registry
 
     monkeypatch.setattr(registry, "current_device_kind", lambda platform=None: "NVIDIA H200")
     x = make_inputs(21, seq=32, heads=4, kv_heads=2, dtype="bfloat16")
@@ -316,7 +318,7 @@ def test_auto_end_to_end_logs_its_choice(monkeypatch, caplog):
 @pytest.mark.parametrize("strategy, shape, layout", [("hybrid", (2, 2), "zigzag"), ("ulysses", (4,), "striped")])
 def test_layer_strategy_matches_unsharded(strategy, shape, layout):
     """The layers' core with `strategy` (rotary positions included) equals the unsharded layer."""
-    from ringjax import _attention_layer as core
+    from ringjax.layers import core
 
     mesh = _mesh(shape)
     axis = "sp" if len(shape) == 1 else ("hp", "sp")
@@ -355,7 +357,7 @@ def test_auto_measures_with_tuning_on(caplog):
     """autotune="on": the strategies are timed on the devices, the fastest runs and is remembered."""
     import logging
 
-    from ringjax import autotuning
+    from ringjax.dispatch import autotuning
 
     x = make_inputs(23, seq=64, heads=4, kv_heads=2)
     mesh = _mesh((4,))

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax.xla import XlaConfig
+from ringjax.backends.xla import XlaConfig
 
 from harness import mesh_of
 

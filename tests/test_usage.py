@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
-from ringjax import calling, registry
+from ringjax.dispatch import calling, registry
 
 from harness import TOLERANCE, make_inputs, mesh_of, reference_for, rel_err
 

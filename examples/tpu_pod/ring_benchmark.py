@@ -4,7 +4,7 @@ Run the same command on every host of the slice (see README.md here). Every proc
 joins `jax.distributed`, the devices form a (data x sp) mesh, q, k, v are generated
 directly in their shards (nothing is materialised on a host), and process 0 writes
 the timings, the throughput per device, the peak memory and, when the chip is known,
-the cost model's prediction (`ringjax.plan`) beside the measurement.
+the cost model's prediction (`ringjax.strategies.plan`) beside the measurement.
 
 It runs anywhere JAX runs: on one CPU process with small sizes it is a smoke test
 (`--distributed off`), and `--check` compares the ring with dense attention.
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringjax
 
-# device_kind -> ringjax.plan chip key
+# device_kind -> ringjax.strategies.plan chip key
 CHIP_OF_DEVICE_KIND = {
     "TPU v4": "tpu_v4",
     "TPU v5 lite": "tpu_v5e",
@@ -40,7 +40,7 @@ CHIP_OF_DEVICE_KIND = {
 
 
 def chip_of(device_kind: str) -> str | None:
-    """The ringjax.plan chip for a device kind, if the cost model knows it."""
+    """The ringjax.strategies.plan chip for a device kind, if the cost model knows it."""
     if device_kind.startswith("NVIDIA H100"):
         return "h100"
     if device_kind.startswith("NVIDIA H200"):
@@ -100,12 +100,12 @@ def make_config(args):
     """The config for a named implementation, from the block flags; None lets ringjax choose."""
     wants_blocks = args.block_q is not None or args.block_kv is not None or args.fused
     if args.implementation.startswith("pallas_tpu"):
-        from ringjax.pallas.tpu import TpuConfig
+        from ringjax.backends.pallas_tpu import TpuConfig
 
         kw = {k: v for k, v in (("block_q", args.block_q), ("block_kv", args.block_kv)) if v is not None}
         return TpuConfig(fused=args.fused, interpret=args.implementation == "pallas_tpu_interpret", **kw)
     if args.implementation == "xla" and wants_blocks and not args.fused:
-        from ringjax.xla import XlaConfig
+        from ringjax.backends.xla import XlaConfig
 
         kw = {k: v for k, v in (("block_q", args.block_q), ("block_kv", args.block_kv)) if v is not None}
         return XlaConfig(**kw)
@@ -219,7 +219,7 @@ def main(argv=None) -> dict:
     }
     chip = chip_of(device_kind)
     if chip is not None and args.dtype == "bfloat16":
-        from ringjax.plan import plan
+        from ringjax.strategies.plan import plan
 
         prediction = plan(chip, ring_size=mesh.shape["sp"], seq_len=args.seq_len, heads=args.heads,
                           kv_heads=args.kv_heads, head_dim=args.head_dim, causal=args.causal, layout=args.layout,

@@ -1,0 +1,23 @@
+"""Pallas Mosaic GPU backend: warp-specialised TMA + wgmma ring steps for Hopper (sm90+).
+
+Registered above "pallas_triton", so "auto" prefers it on Hopper for every call it supports.
+"""
+
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
+from ringjax.core.features import Support
+from ringjax.dispatch.registry import register
+
+SUPPORT = Support(
+    # not all_gather / ulysses: the kernels take positions as block start + a layout stride, which
+    # those schedules change (all-gathered keys in natural order, interleaved subshards)
+    features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size"}),
+    dtypes=("bfloat16", "float16"),
+    head_dims=lambda d: d in (64, 128),
+    head_dims_text="64 or 128",
+    min_seq_multiple=ROWS,
+)
+
+register("ring_attention", "pallas_mosaic_gpu", platforms=("gpu",), priority=15, support=SUPPORT,
+         target=f"{__name__}.implementation:IMPLEMENTATION")
+
+__all__ = ["SUPPORT", "MosaicGpuConfig"]

@@ -1,0 +1,54 @@
+"""Tile sizes and pipeline depths of the Mosaic GPU (Hopper) ring step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringjax.core.problem import KernelConfig
+
+ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
+SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
+_BLOCKS = (64, 128, 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuConfig(KernelConfig):
+    """Block sizes and pipeline depths of the forward, dQ and dK/dV kernels.
+
+    Each kernel runs two consumer warpgroups of 64 query (or key) rows and one producer
+    warpgroup that streams the other operand's tiles through `*_stages` shared-memory slots:
+    `block_kv` keys per forward step, `dq_block_kv` keys per dQ step, `dkv_block_q` queries
+    per dK/dV step. `pair_heads`: with an even GQA group the two consumers of a forward or
+    dQ block take two query heads on the same rows (one K/V tile, one mask); otherwise, and
+    always without GQA, two adjacent row tiles of one head. `interpret=True` runs the same
+    kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
+    eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
+    cores).
+    """
+
+    block_kv: int = 128
+    num_stages: int = 2
+    dq_block_kv: int = 64
+    dq_num_stages: int = 2
+    dkv_block_q: int = 64
+    dkv_num_stages: int = 3
+    pair_heads: bool = True
+    interpret: bool = False
+
+    def __post_init__(self):
+        self._check_ints(("block_kv", "dq_block_kv", "dkv_block_q"), lambda v: v in _BLOCKS, f"one of {_BLOCKS}")
+        self._check_ints(("num_stages", "dq_num_stages", "dkv_num_stages"), lambda v: 2 <= v <= 6,
+                         "an int in [2, 6]")
+        self._check_bools(("pair_heads", "interpret"))
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> dict[str, int]:
+        """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""
+        d = head_dim
+        tile = ROWS * d * itemsize  # one warpgroup's q, dO, K or V tile
+        epilogue = 2 * 2 * ROWS * 32 * 4  # two float32 slots of 32 columns per warpgroup
+        seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
+        fwd = 2 * tile + 2 * self.num_stages * self.block_kv * d * itemsize + epilogue + 2 * ROWS * 4
+        dq = 4 * tile + 2 * self.dq_num_stages * self.dq_block_kv * d * itemsize + epilogue + 4 * ROWS * 4
+        dkv = 4 * tile + self.dkv_num_stages * (2 * self.dkv_block_q * d * itemsize + 2 * self.dkv_block_q * 4)
+        dkv += epilogue
+        return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}

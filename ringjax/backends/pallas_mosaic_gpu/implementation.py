@@ -1,0 +1,144 @@
+"""The Mosaic GPU backend's implementation: jax/device checks, shared memory, configs, the ring."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ringjax.backends.pallas_mosaic_gpu import SUPPORT
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
+from ringjax.core.problem import Problem
+from ringjax.core.ring import BlockKernel, ring_attention_shard
+
+_MIN_JAX = (0, 11)
+# what the kernels call; a jax without one of them cannot build them
+_PLGPU_API = ("kernel", "SMEM", "Barrier", "ACC", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem",
+              "wait_smem_to_gmem", "barrier_wait", "barrier_arrive", "commit_smem", "layout_cast", "Layout",
+              "broadcasted_iota", "set_max_registers", "load", "TilingTransform", "SwizzleTransform",
+              "CompilerParams", "LoweringSemantics")
+
+
+def _fwd(q, k, v, q_info, k_info, extras, opts, config):
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_fwd
+
+    del extras  # supports() refuses ALiBi and dropout, the only users of extras
+    return block_fwd(q, k, v, q_info, k_info, opts, config)
+
+
+def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd
+
+    del extras
+    return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+
+
+KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
+
+
+@functools.cache
+def _jax_refusal() -> str | None:
+    import jax
+
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    if version < _MIN_JAX:
+        return f"needs jax >= {'.'.join(map(str, _MIN_JAX))} for its Pallas Mosaic GPU API, found {jax.__version__}"
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as e:
+        return f"jax.experimental.pallas.mosaic_gpu cannot be imported: {e}"
+    missing = [name for name in _PLGPU_API if not hasattr(plgpu, name)]
+    if missing:
+        return f"this jax's Pallas Mosaic GPU lacks {', '.join(missing)}"
+    return None
+
+
+@functools.cache
+def _device_refusal(platform: str) -> str | None:
+    import jax
+
+    try:
+        device = jax.devices(platform)[0]
+    except RuntimeError as e:
+        return f"no {platform} device visible ({e})"
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+        return f"{device.device_kind} is not a CUDA GPU (Mosaic GPU needs NVIDIA sm90 or newer)"
+    major = int(str(cc).split(".")[0])
+    if major < 9:
+        return f"{device.device_kind} has compute capability {cc}: Mosaic GPU kernels need 9.0 (Hopper) or newer"
+    return None
+
+
+@functools.cache
+def interpreter_refusal() -> str | None:
+    """Why `MosaicGpuConfig(interpret=True)` cannot run here (jax's GPU interpreter), or None."""
+    why = _jax_refusal()
+    if why:
+        return why
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not hasattr(plgpu, "InterpretGPUParams"):
+        import jax
+
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU interpreter (InterpretGPUParams)"
+    return None
+
+
+def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | None:
+    opts = problem.opts
+    why = SUPPORT.refusal("pallas_mosaic_gpu", problem)
+    if why:
+        return why
+    config = config or default_config(problem)
+    # the two consumers of a block take two heads of one group, else two row tiles
+    if problem.seq % (2 * ROWS) and (problem.gqa_ratio % 2 or not config.pair_heads):
+        return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two consumers "
+                f"of a block take two row tiles (query heads per KV head: {problem.gqa_ratio})")
+    for kernel, size in config.smem_bytes(problem.head_dim, 2, opts.has_segments).items():
+        if size > SMEM_LIMIT - 1024:
+            return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
+                    f"{SMEM_LIMIT} a Hopper block may use")
+    return _jax_refusal() or _device_refusal(problem.platform)
+
+
+def default_config(problem: Problem) -> MosaicGpuConfig:
+    if problem.head_dim <= 64:
+        return MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=3)
+    return MosaicGpuConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasMosaicGpuImplementation:
+    name: str = "pallas_mosaic_gpu"
+    config_type: type = MosaicGpuConfig
+
+    def supports(self, problem: Problem) -> str | None:
+        return _refusal(problem)
+
+    def default_config(self, problem: Problem) -> MosaicGpuConfig:
+        return default_config(problem)
+
+    def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
+        # measured on one H200 (benchmarks/NOTES.md): 128-key forward blocks with 2 stages lead (64 with 4
+        # stages lost 10-15%); the rest differ by a few percent, so the tuner decides
+        out = []
+        for pair_heads in (True, False):
+            for block_kv, stages in ((128, 2), (64, 3)):
+                for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
+                    cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
+                                          dkv_num_stages=dkv_stages, pair_heads=pair_heads)
+                    sizes = cfg.smem_bytes(problem.head_dim, 2, problem.opts.has_segments).values()
+                    if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
+                        out.append(cfg)
+        return out
+
+    def run(self, problem: Problem, config: MosaicGpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
+        why = _refusal(problem, config)
+        if why is not None:  # an explicit config= can ask for more than supports() checked
+            raise ValueError(f"pallas_mosaic_gpu cannot run this call: {why}")
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+IMPLEMENTATION = PallasMosaicGpuImplementation()
+
+__all__ = ["IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]

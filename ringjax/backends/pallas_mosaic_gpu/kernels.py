@@ -1,0 +1,744 @@
+"""One ring step as Pallas Mosaic GPU kernels for Hopper (sm90): TMA, wgmma, warp specialisation.
+
+Every kernel has three warpgroups: two consumers, each owning a 64-row tile in registers,
+and one producer that streams the other operand's tiles by TMA into a ring of shared-memory
+slots (`*_stages` deep), guarded by one "loaded" barrier per slot and buffer and one
+"consumed" barrier per slot that both consumers arrive on.
+
+- forward: a consumer owns 64 queries of one head; K/V blocks stream. With GQA the two
+  consumers take two query heads of one group on the same rows, so both use each K/V tile
+  and see the same mask; otherwise they take two adjacent row tiles of one head. The two
+  consumers alternate their matmuls and their softmax (a schedule barrier, FlashAttention-3's
+  ping-pong); logits are scaled into base 2 once so the softmax runs on exp2.
+- dQ: the forward's layout; per K/V block S = QK^T, dP = dO V^T, dQ += dS K.
+- dK/dV: a consumer owns 64 keys of one KV head; (q, dO, lse, delta) tiles of every query
+  head of the group stream, so dK/dV come out reduced over the group: S^T = K Q^T,
+  dV += P^T dO, dP^T = V dO^T, dK += dS^T Q.
+
+Visiting: per 64-row tile the producer and consumers walk the blocks [lo, hi) of a table
+built in XLA (`visits.range_table`): fully visible blocks take no mask, the others get the
+element mask from `masks.visible_pairs` on global positions, hidden blocks are skipped.
+The producer streams the union of its two consumers' ranges; a consumer outside its own
+range only waits and releases the slot, so the barrier phases stay in step. A step the
+mask empties streams nothing and writes zeros (out) and -inf (lse).
+
+Positions inside a block are affine, base + stride * i (stride = ring size for the striped
+layout, 1 otherwise), as `layouts.local_positions` makes them; blocks never straddle a zigzag
+chunk. Outputs are float32 and leave through shared memory by TMA in 32-column chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ringjax import _compat
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
+from ringjax.core.masks import TokenInfo, may_skip, visible_pairs
+from ringjax.core.visits import block_starts, range_table
+from ringjax.options import AttentionOptions
+
+_LOG2E = 1.0 / math.log(2.0)
+_LN2 = math.log(2.0)
+_EPI = 32  # float32 columns per epilogue chunk: one 128-byte swizzled row
+# per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
+# threads starts with 168 each); the dK/dV consumer holds two accumulators and gets the most
+_REGS = {"fwd": (232, 40), "dq": (232, 40), "dkv": (240, 24)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """Static shape of one launch's visiting: blocks, strides and pairing of the two consumers."""
+
+    block: int  # streamed block (keys for forward and dQ, queries for dK/dV)
+    n_blocks: int  # streamed blocks in the step
+    stages: int
+    ranged: bool  # False: the mask hides nothing, every block is fully visible, no table
+    pair_heads: bool  # the consumers take two heads of one group (else two row tiles)
+    heaviest_last: bool  # causal forward/dQ: the last row tiles see the most keys; launch them first
+    row_stride: int  # position step inside a row tile
+    col_stride: int  # position step inside a streamed block
+    n_ctas: int  # CTAs along the rows
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _transforms(cols: int, dtype):
+    """Tiling + 128-byte swizzle for a [rows, cols] shared-memory tile (what wgmma and TMA want)."""
+    item = jnp.dtype(dtype).itemsize
+    swizzle = min(128, cols * item)
+    return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
+
+
+def _zeros(shape, layout=None):
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or plgpu.Layout.WGMMA)
+
+
+def _logits2(qk, opts: AttentionOptions):
+    """Base-2 logits (logits * log2 e) of raw dot products, and tanh of the soft cap (or None)."""
+    if opts.logits_soft_cap is None:
+        return qk * (opts.softmax_scale * _LOG2E), None
+    cap = opts.logits_soft_cap
+    t = jnp.tanh(qk * (opts.softmax_scale / cap))
+    return t * (cap * _LOG2E), t
+
+
+def _mask(opts, shape, row0, col0, walk: _Walk, rows_are_queries: bool, row_seg=None, col_seg=None):
+    """masks.visible_pairs on a [rows, cols] tile in the wgmma layout, from block starts and strides."""
+    lay = plgpu.Layout.WGMMA
+    rpos = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=lay)
+    cpos = col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay)
+    rseg = cseg = None
+    if row_seg is not None:
+        rseg = lax.broadcast_in_dim(row_seg, shape, [0])
+        cseg = lax.broadcast_in_dim(col_seg, shape, [1])
+    if rows_are_queries:
+        return visible_pairs(opts, rpos, cpos, rseg, cseg)
+    return visible_pairs(opts, cpos, rpos, cseg, rseg)
+
+
+def _bounds(rng_ref, row, tile, n_blocks: int, ranged: bool):
+    """(lo, flo, fhi, hi) of one tile; an empty tile gets lo = hi = n_blocks."""
+    if not ranged:
+        z = jnp.int32(0)
+        return z, z, jnp.int32(n_blocks), jnp.int32(n_blocks)
+    lo, flo, fhi, hi = (rng_ref[row, tile, c] for c in range(4))
+    empty = hi <= lo
+    big = jnp.int32(n_blocks)
+    return (jnp.where(empty, big, lo), jnp.where(empty, big, flo), jnp.where(empty, big, fhi),
+            jnp.where(empty, big, hi))
+
+
+def _union(b0, b1):
+    """First block and number of blocks of the union of two tiles' ranges."""
+    lo = jnp.minimum(b0[0], b1[0])
+    hi = jnp.maximum(jnp.where(b0[3] > b0[0], b0[3], 0), jnp.where(b1[3] > b1[0], b1[3], 0))
+    return lo, jnp.maximum(hi - lo, 0)
+
+
+def _walk_tile(lo, n, bounds, body, carry, ranged: bool = True):
+    """carry = body(block, carry, kind) over blocks [lo, lo + n); kind: "skip", "masked" or "full"."""
+    if not ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
+        return lax.fori_loop(lo, lo + n, functools.partial(_with_kind, body, "full"), carry)
+    tlo, flo, fhi, thi = (jnp.clip(x, lo, lo + n) for x in bounds)
+    thi = jnp.maximum(thi, tlo)
+    for start, stop, kind in ((lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
+                              (thi, lo + n, "skip")):
+        carry = lax.fori_loop(start, stop, functools.partial(_with_kind, body, kind), carry)
+    return carry
+
+
+def _with_kind(body, kind, blk, carry):
+    return body(blk, carry, kind)
+
+
+def _write_rows(acc, smem, wg, dst):
+    """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via two SMEM slots."""
+    d = acc.shape[1]
+    for c in range(d // _EPI):
+        slot = c % 2
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous copy has read it
+        smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem.at[wg, slot], dst.at[:, pl.ds(c * _EPI, _EPI)])
+
+
+def _drain(steps, stages: int, *free):
+    """The producer observes the consumers' last releases, so no barrier phase goes unseen."""
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(i):
+        for bar in free:
+            plgpu.barrier_wait(bar.at[lax.rem(i, jnp.int32(stages))])
+
+
+def _epilogue_smem():
+    return plgpu.SMEM((2, 2, ROWS, _EPI), jnp.float32, transforms=_transforms(_EPI, jnp.float32))
+
+
+def _dot(a, b, transpose_b: bool):
+    b = b.T if transpose_b else b
+    return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+
+def _operand(x):
+    return x[...] if not isinstance(x, jax.Array) and hasattr(x, "at") else x
+
+
+def _mma_fresh(shape, a, b, *, transpose_b: bool = False, between=None, emulate: bool = False):
+    """a @ b (b^T) into a fresh float32 accumulator; `between` runs while the wgmma is in flight.
+
+    `emulate`: jnp.dot instead of wgmma, for jax's GPU interpreter (which runs these kernels'
+    TMA copies, barriers, masks and softmax on CPU, but not accumulator scopes or wgmma
+    operands in registers).
+    """
+    if emulate:
+        out = _dot(_operand(a), b[...], transpose_b)
+        if between is not None:
+            between()
+        return out
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b.transpose((1, 0)) if transpose_b else b)
+        if between is not None:
+            between()
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def _mma(accs, terms, emulate: bool = False, between=None):
+    """[acc + a @ b (b^T) for each acc and (a, b, transpose_b)], issued together, awaited once."""
+    if emulate:
+        out = [acc + _dot(_operand(a), b[...], tb) for acc, (a, b, tb) in zip(accs, terms)]
+        if between is not None:
+            between()
+        return out
+
+    def body(refs):
+        for ref, (a, b, tb) in zip(refs, terms):
+            plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
+        if between is not None:
+            between()
+
+    return list(pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+
+
+def _interpret(config: MosaicGpuConfig) -> dict:
+    return {"interpret": plgpu.InterpretGPUParams()} if config.interpret else {}
+
+
+def _compiler_params():
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def _row_tile(walk: _Walk, cta, wg):
+    """(row tile index, head offset within the CTA's pair) of consumer `wg`."""
+    if walk.heaviest_last:
+        cta = walk.n_ctas - 1 - cta
+    if walk.pair_heads:
+        return cta, wg
+    return 2 * cta + wg, 0
+
+
+def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool):
+    """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and union.
+
+    Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles.
+    """
+    b = lax.axis_index("b")
+    hx, cta = lax.axis_index("h"), lax.axis_index("q")
+    row = b if has_seg else 0  # the visit table has a batch axis only with segments
+    tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
+    heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
+    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t, _ in tiles]
+    return (b, tiles, heads, bounds, *_union(*bounds))
+
+
+def _consumer_share(wg, tiles, heads, bounds):
+    """Consumer `wg`'s row tile, head and visit bounds, selected without a branch."""
+    pick = functools.partial(jnp.where, wg == 0)
+    return pick(tiles[0][0], tiles[1][0]), pick(heads[0], heads[1]), [pick(a, c) for a, c in zip(*bounds)]
+
+
+def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
+    """Producer of the forward and dQ kernels: K and V blocks lo..lo+n of KV head `kvh` by TMA.
+
+    Block i goes to slot i % stages once both consumers have released that slot's last use;
+    `refs`, `smem`, `loaded` and `free` are (K, V) pairs.
+    """
+
+    @pl.loop(0, n)
+    def _(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        rows = (b, pl.ds((lo + i) * bk, bk), kvh)
+        for ref, buf, bar, released in zip(refs, smem, loaded, free):  # K first: the consumers need it first
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(released.at[slot])
+
+            plgpu.copy_gmem_to_smem(ref.at[rows], buf.at[slot], bar.at[slot])
+
+    _drain(n, stages, *free)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts, walk: _Walk, groups: int,
+                has_seg: bool, emulate: bool):
+    if has_seg:
+        qseg_ref, kseg_ref, *refs = refs
+    out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, *refs = refs
+    if has_seg:
+        qseg_smem, kseg_smem, *refs = refs
+    q_bar, k_bar, v_bar, k_free, v_free, sched, *refs = refs
+    seg_bar = refs[0] if has_seg else None
+
+    bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    wg = lax.axis_index("wg")
+
+    def schedule():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
+        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
+        q0 = tile * ROWS
+        qpos0 = qstart_ref[tile]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
+        qseg = None
+        if has_seg:
+            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q0, ROWS)], qseg_smem.at[wg], seg_bar.at[wg])
+            plgpu.barrier_wait(seg_bar.at[wg])
+            qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        plgpu.barrier_wait(q_bar.at[wg])
+
+        end = lo + n
+
+        def wait_next_k(blk):
+            """Wait for the K of the step after `blk` (consumers wait for each K once, in order)."""
+
+            @pl.when(blk + 1 < end)
+            def _():
+                plgpu.barrier_wait(k_bar.at[lax.rem(blk + 1 - lo, jnp.int32(stages))])
+
+        def step(blk, carry, kind):
+            acc, m, row_sum = carry
+            slot = lax.rem(blk - lo, jnp.int32(stages))
+            if kind == "skip":
+                schedule()
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                plgpu.barrier_arrive(v_free.at[slot])
+                wait_next_k(blk)
+                return carry
+
+            # the other consumer's softmax runs while this matmul does
+            s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
+                           emulate=emulate)
+            plgpu.barrier_arrive(k_free.at[slot])
+            # base-2 logits; without a soft cap the scale stays out of the max and joins exp2 as one FMA
+            scale = opts.softmax_scale * _LOG2E if opts.logits_soft_cap is None else 1.0
+            if opts.logits_soft_cap is not None:
+                s, _ = _logits2(s, opts)
+            if kind == "masked":
+                kseg = None
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(blk * bk, bk)], kseg_smem.at[wg], seg_bar.at[wg])
+                    plgpu.barrier_wait(seg_bar.at[wg])
+                    kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1) * scale)
+            # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
+            alpha = jnp.exp2(m - m_use)
+            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            row_sum = row_sum * alpha + p.sum(axis=1)
+            p16 = p.astype(q_ref.dtype)
+            acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+
+            # the next K's barrier is awaited while this matmul runs
+            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(blk))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, row_sum
+
+        init = (_zeros((ROWS, d)), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                                                     plgpu.Layout.WGMMA.reduce(1)),
+                _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
+        pl.when(wg == 1)(schedule)
+
+        @pl.when(n > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        acc, m, row_sum = _walk_tile(lo, n, my, step, init, walk.ranged)
+        pl.when(wg == 0)(schedule)
+
+        seen = row_sum > 0.0
+        l_safe = jnp.where(seen, row_sum, 1.0)
+        acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+        lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+        _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
+        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+                   (k_bar, v_bar), (k_free, v_free))
+
+
+def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
+              pair_heads: bool = True) -> _Walk:
+    """Pairing and strides of one launch: `t // 64` row tiles against `s // block` streamed blocks."""
+    stride = opts.axis_size if opts.layout == "striped" else 1
+    pair_heads = pair_heads and not transpose and groups % 2 == 0
+    n_tiles = t // ROWS
+    return _Walk(block=block, n_blocks=s // block, stages=stages, ranged=may_skip(opts), pair_heads=pair_heads,
+                 heaviest_last=opts.causal and not transpose, row_stride=stride, col_stride=stride,
+                 n_ctas=n_tiles if pair_heads else n_tiles // 2)
+
+
+def _unify(args):
+    return [_compat.match_vma(x, *args) for x in args]
+
+
+def _unify_with(args, *outs):
+    """Outputs varying over the mesh axes of the inputs (a Mosaic GPU kernel's outputs carry none)."""
+    return [_compat.match_vma(x, *args) for x in outs]
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: MosaicGpuConfig):
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    bk = _fit(s, opts, config.block_kv)
+    walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads)
+    has_seg = q_info.seg is not None
+    rng = range_table(opts, q_info, k_info, ROWS, bk)
+    if rng is None:
+        rng = jnp.zeros((1, 1, 4), jnp.int32)  # unread
+    args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk)]
+    if has_seg:
+        args += [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)]
+    args = _unify(args)
+    dt = q.dtype
+    scratch = [
+        plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt)),
+        plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
+        plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
+        _epilogue_smem(),
+        plgpu.SMEM((2, ROWS), jnp.float32),
+    ]
+    if has_seg:
+        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
+    scratch += [
+        plgpu.Barrier(num_barriers=2),  # q loaded
+        plgpu.Barrier(num_barriers=walk.stages),  # k loaded
+        plgpu.Barrier(num_barriers=walk.stages),  # v loaded
+        plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages),  # k consumed
+        plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages),  # v consumed
+        plgpu.Barrier(num_arrivals=2),  # schedule (ping-pong)
+    ]
+    if has_seg:
+        scratch.append(plgpu.Barrier(num_barriers=2))
+    out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
+                _compat.struct_like((b, h, t), jnp.float32, args[0])]
+    kernel = functools.partial(_fwd_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret)
+    out, lse = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
+        grid_names=("h", "q", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **_interpret(config),
+    )(*args)
+    return _unify_with(args, out, lse)
+
+
+def _fit(s: int, opts: AttentionOptions, want: int) -> int:
+    """Largest block <= want (64, 128 or 256) dividing the shard's unit (half a shard under zigzag)."""
+    unit = s // opts.shards_per_device
+    for blk in (256, 128, 64):
+        if blk <= want and unit % blk == 0:
+            return blk
+    raise ValueError(f"pallas_mosaic_gpu needs shard units divisible by 64, got {unit}")
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
+               walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    if has_seg:
+        qseg_ref, kseg_ref, *refs = refs
+    dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem, *refs = refs
+    if has_seg:
+        qseg_smem, kseg_smem, *refs = refs
+    q_bar, k_bar, v_bar, k_free, v_free, *refs = refs
+    seg_bar = refs[0] if has_seg else None
+
+    bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(_REGS["dq"][0], action="increase")
+        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
+        q0 = tile * ROWS
+        qpos0 = qstart_ref[tile]
+        rows = (b, pl.ds(q0, ROWS), head)
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_bar.at[2 + wg])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, head, pl.ds(q0, ROWS)], lse_smem.at[wg], q_bar.at[4 + wg])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, head, pl.ds(q0, ROWS)], delta_smem.at[wg], q_bar.at[6 + wg])
+        qseg = None
+        if has_seg:
+            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q0, ROWS)], qseg_smem.at[wg], seg_bar.at[wg])
+            plgpu.barrier_wait(seg_bar.at[wg])
+            qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        for i in range(4):
+            plgpu.barrier_wait(q_bar.at[2 * i + wg])
+        lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+        def step(blk, dq, kind):
+            slot = lax.rem(blk - lo, jnp.int32(stages))
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            if kind == "skip":
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                return dq
+
+            s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))],
+                         [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)], emulate)
+            plgpu.barrier_arrive(v_free.at[slot])
+            s2, t = _logits2(s, opts)
+            p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
+            if kind == "masked":
+                kseg = None
+                if has_seg:
+                    plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(blk * bk, bk)], kseg_smem.at[wg], seg_bar.at[wg])
+                    plgpu.barrier_wait(seg_bar.at[wg])
+                    kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
+                p = jnp.where(vis, p, 0.0)
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+            if t is not None:
+                ds = ds * (1.0 - t * t)
+            ds16 = ds.astype(q_ref.dtype)
+
+            (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq
+
+        dq = _walk_tile(lo, n, my, step, _zeros((ROWS, d)), walk.ranged)
+        dq = dq * opts.softmax_scale
+        _write_rows(dq, o_smem, wg, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+                   (k_bar, v_bar), (k_free, v_free))
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
+                walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    if has_seg:
+        qseg_ref, kseg_ref, *refs = refs
+    dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, *refs = refs
+    if has_seg:
+        kseg_smem, qseg_smem, *refs = refs
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, free, *refs = refs
+    seg_bar = refs[0] if has_seg else None
+
+    bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    b = lax.axis_index("b")
+    kvh, cta = lax.axis_index("h"), lax.axis_index("k")
+    row = b if has_seg else 0
+    tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
+    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t in tiles]
+    lo, n = _union(*bounds)
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
+        tile = jnp.where(wg == 0, tiles[0], tiles[1])
+        my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
+        k0 = tile * ROWS
+        kpos0 = kstart_ref[tile]
+        rows = (b, pl.ds(k0, ROWS), kvh)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_bar.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_bar.at[2 + wg])
+        kseg = None
+        if has_seg:
+            plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(k0, ROWS)], kseg_smem.at[wg], seg_bar.at[wg])
+            plgpu.barrier_wait(seg_bar.at[wg])
+            kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        plgpu.barrier_wait(kv_bar.at[wg])
+        plgpu.barrier_wait(kv_bar.at[2 + wg])
+
+        def head(gi, carry):
+            def step(blk, carry, kind):
+                dk, dv = carry
+                slot = lax.rem(gi * n + blk - lo, jnp.int32(stages))
+                plgpu.barrier_wait(q_bar.at[slot])
+                plgpu.barrier_wait(lse_bar.at[slot])
+                plgpu.barrier_wait(do_bar.at[slot])
+                plgpu.barrier_wait(delta_bar.at[slot])
+                if kind == "skip":
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
+                st2, t = _logits2(st, opts)
+                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                if kind == "masked":
+                    qseg = None
+                    if has_seg:
+                        plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(blk * bq, bq)], qseg_smem.at[wg],
+                                                seg_bar.at[wg])
+                        plgpu.barrier_wait(seg_bar.at[wg])
+                        qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                    vis = _mask(opts, st.shape, kpos0, qstart_ref[blk], walk, False, kseg, qseg)
+                    pt = jnp.where(vis, pt, 0.0)
+                pt16 = pt.astype(q_ref.dtype)
+
+                dv, dpt = _mma([dv, _zeros((ROWS, bq))],
+                               [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)], emulate)
+                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                if t is not None:
+                    dst = dst * (1.0 - t * t)
+                dst16 = dst.astype(q_ref.dtype)
+
+                (dk,) = _mma([dk], [(dst16, q_smem.at[slot], False)], emulate)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            return _walk_tile(lo, n, my, step, carry, walk.ranged)
+
+        dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, d)), _zeros((ROWS, d))))
+        dk = dk * opts.softmax_scale
+        _write_rows(dk, o_smem, wg, dk_ref.at[rows])
+        _write_rows(dv, o_smem, wg, dv_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
+
+        @pl.loop(0, groups * n)
+        def _(i):
+            slot = lax.rem(i, jnp.int32(stages))
+            gi = lax.div(i, jnp.maximum(n, 1))
+            blk = lo + i - gi * n
+            h = kvh * groups + gi
+            rows = (b, pl.ds(blk * bq, bq), h)
+            cols = (b, h, pl.ds(blk * bq, bq))
+
+            @pl.when(i >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
+
+        _drain(groups * n, stages, free)
+
+
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
+              config: MosaicGpuConfig):
+    has_seg = q_info.seg is not None
+    # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
+    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0).astype(jnp.float32)
+    delta = delta.astype(jnp.float32)
+    segs = [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if has_seg else []
+    dq = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
+    if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
+        dq, q = lax.optimization_barrier((dq, q))
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
+    return dq, dk, dv
+
+
+def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
+    """dQ: rows are query tiles, K/V blocks stream."""
+    b, t, h, d = q.shape
+    s, g, has_seg, dt = k.shape[1], h // k.shape[2], bool(segs), q.dtype
+    bk = _fit(s, opts, config.dq_block_kv)
+    walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads)
+    rng = range_table(opts, q_info, k_info, ROWS, bk)
+    rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *segs])
+    tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
+    scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
+               plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
+               plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)), _epilogue_smem()]
+    if has_seg:
+        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
+    scratch += [plgpu.Barrier(num_barriers=8),  # q, dO, lse, delta: barrier 2 * i + consumer
+                plgpu.Barrier(num_barriers=walk.stages), plgpu.Barrier(num_barriers=walk.stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
+    if has_seg:
+        scratch.append(plgpu.Barrier(num_barriers=2))
+    (dq,) = plgpu.kernel(
+        functools.partial(_dq_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret),
+        out_type=[_compat.struct_like((b, t, h, d), jnp.float32, args[0])],
+        scratch_types=scratch,
+        grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
+        grid_names=("h", "q", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **_interpret(config),
+    )(*args)
+    (dq,) = _unify_with(args, dq)
+    return dq
+
+
+def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
+    """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream."""
+    b, t, h, d = q.shape
+    s, kvh, has_seg, dt = k.shape[1], k.shape[2], bool(segs), q.dtype
+    g = h // kvh
+    tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
+    bq = _fit(t, opts, config.dkv_block_q)
+    walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True)
+    rng = range_table(opts, k_info, q_info, ROWS, bq, transpose=True)
+    rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS), *segs])
+    stream = plgpu.SMEM((walk.stages, bq, d), dt, transforms=_transforms(d, dt))
+    vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
+    scratch = [tile, tile, stream, stream, vec, vec, _epilogue_smem()]
+    if has_seg:
+        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq), jnp.int32)]
+    scratch += [plgpu.Barrier(num_barriers=4)] + [plgpu.Barrier(num_barriers=walk.stages)] * 4 + [
+        plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
+    if has_seg:
+        scratch.append(plgpu.Barrier(num_barriers=2))
+    kv_struct = _compat.struct_like(k.shape, jnp.float32, args[0])
+    dk, dv = plgpu.kernel(
+        functools.partial(_dkv_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret),
+        out_type=[kv_struct, kv_struct],
+        scratch_types=scratch,
+        grid=(kvh, walk.n_ctas, b),
+        grid_names=("h", "k", "b"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=_compiler_params(),
+        **_interpret(config),
+    )(*args)
+    return _unify_with(args, dk, dv)

@@ -1,0 +1,28 @@
+"""Pallas GPU backend lowered through Triton: ring steps for any NVIDIA GPU of sm80 or newer.
+
+Registered as "pallas_triton" and "pallas_triton_interpret" (the same kernels in the Pallas
+interpreter, for tests; never chosen by "auto"); "pallas_gpu" is its deprecated former name.
+"""
+
+from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
+from ringjax.core.features import Support
+from ringjax.dispatch.registry import register, register_alias
+
+SUPPORT = Support(
+    features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
+                        "all_gather", "ulysses"}),
+    dtypes=("bfloat16", "float16", "float32"),
+    head_dims=lambda d: MIN_BLOCK <= d <= 256 and d & (d - 1) == 0,
+    head_dims_text="a power of two, 16 to 256",
+    min_seq_multiple=MIN_BLOCK,
+)
+TritonConfig = GpuConfig
+
+register("ring_attention", "pallas_triton", platforms=("gpu",), priority=10, support=SUPPORT,
+         target=f"{__name__}.implementation:IMPLEMENTATION")
+register("ring_attention", "pallas_triton_interpret", platforms=("cpu", "gpu"), priority=-10, support=SUPPORT,
+         target=f"{__name__}.implementation:INTERPRET_IMPLEMENTATION", auto=False)
+register_alias("ring_attention", "pallas_gpu", "pallas_triton")
+register_alias("ring_attention", "pallas_gpu_interpret", "pallas_triton_interpret")
+
+__all__ = ["SUPPORT", "GpuConfig", "TritonConfig"]

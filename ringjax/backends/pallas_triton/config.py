@@ -1,0 +1,164 @@
+"""Tile sizes and launch parameters of the Pallas GPU (Triton) ring step, and the shared memory they need."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from ringjax.core.problem import KernelConfig
+from ringjax.core.tiles import pick_block
+from ringjax.options import AttentionOptions
+
+MIN_BLOCK = 16  # Triton's dot needs every operand dimension >= 16
+
+# Shared memory one thread block may use, bytes, by compute capability (CUDA's occupancy tables).
+SHARED_MEMORY = {(8, 0): 166912, (8, 6): 101376, (8, 7): 166912, (8, 9): 101376, (9, 0): 232448}
+MIN_CAPABILITY = (8, 0)  # bfloat16 dots and the async copies Triton pipelines with
+# what the kernels are fitted to where no GPU can be asked (the interpreter on a CPU): H100 / H200
+ASSUMED_CAPABILITY = (9, 0)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuConfig(KernelConfig):
+    """Launch parameters of the forward and backward kernels.
+
+    Block sizes are powers of two >= 16; each is shrunk to the largest power of two
+    dividing the shard's unit length (half a shard under zigzag). `interpret=True`
+    runs the same kernels through the Pallas interpreter (CPU tests; slow).
+    `bwd_fused=True` computes dQ inside the dK/dV kernel with float32 atomic adds (5 block
+    matmuls per block pair instead of 7; the summation order of dQ is then not fixed).
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    bwd_block_q: int = 64
+    bwd_block_kv: int = 64
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+    bwd_fused: bool = False
+    interpret: bool = False
+
+    def __post_init__(self):
+        self._check_ints(("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"),
+                         lambda v: _is_pow2(v) and v >= MIN_BLOCK, f"a power of two >= {MIN_BLOCK}")
+        self._check_ints(("num_warps", "bwd_num_warps"), lambda v: v in (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
+        self._check_ints(("num_stages", "bwd_num_stages"), lambda v: 1 <= v <= 8, "an int in [1, 8]")
+        self._check_bools(("bwd_fused", "interpret"))
+
+
+def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: int) -> tuple[int, int]:
+    """Power-of-two blocks >= 16 that divide the shard and never straddle a zigzag chunk boundary."""
+    bq = pick_block(t, want_q, opts, multiple_of=MIN_BLOCK, power_of_two=True)
+    bk = pick_block(s, want_kv, opts, multiple_of=MIN_BLOCK, power_of_two=True)
+    if bq is None or bk is None:
+        per = opts.shards_per_device
+        raise ValueError(f"pallas_triton needs shard units divisible by {MIN_BLOCK}, got {t // per} and {s // per}")
+    return bq, bk
+
+
+def used_blocks(config: GpuConfig, opts: AttentionOptions, seq: int) -> GpuConfig:
+    """`config` with the block sizes the kernels use on shards of `seq` tokens."""
+    bq, bk = block_sizes(opts, seq, seq, config.block_q, config.block_kv)
+    bbq, bbk = block_sizes(opts, seq, seq, config.bwd_block_q, config.bwd_block_kv)
+    return dataclasses.replace(config, block_q=bq, block_kv=bk, bwd_block_q=bbq, bwd_block_kv=bbk)
+
+
+# ---------------------------------------------------------------- shared memory
+
+
+def shared_memory_limit(capability: tuple[int, int]) -> int:
+    """Shared memory one thread block may use on a GPU of `capability` (the smallest table entry if unknown)."""
+    if capability in SHARED_MEMORY:
+        return SHARED_MEMORY[capability]
+    if capability[0] == 10:  # Blackwell data-centre parts keep Hopper's 228 KiB
+        return SHARED_MEMORY[(9, 0)]
+    return min(SHARED_MEMORY.values())
+
+
+@functools.cache
+def device_capability(platform: str) -> tuple[int, int] | None:
+    """Compute capability of the first device of `platform` if it is a CUDA GPU here, else None."""
+    import jax
+
+    try:
+        device = jax.devices(platform)[0]
+    except RuntimeError:  # no such backend on this machine
+        return None
+    text = getattr(device, "compute_capability", None)
+    if not text:
+        return (0, 0)  # a GPU that reports none (not CUDA): below MIN_CAPABILITY
+    major, _, minor = str(text).partition(".")
+    return int(major), int(minor or 0)
+
+
+def shared_memory_bytes(config: GpuConfig, head_dim: int, itemsize: int) -> dict[str, int]:
+    """A conservative estimate of each kernel's shared memory, bytes.
+
+    Triton keeps every tile that a loop loads in `num_stages` buffers (the software pipeline)
+    and each tile loaded once before the loop in one; dots read both operands from shared
+    memory, and reductions take a little scratch (1 KiB here). With s = itemsize, d = head_dim:
+      forward:  stages * 2 * block_kv * d * s  (K, V)  + block_q * d * s  (Q)            + 1024
+      dQ:       stages * 2 * block_kv * d * s  (K, V)  + 2 * block_q * d * s  (Q, dO)    + 1024
+      dK/dV:    stages * (2 * block_q * d * s + 2 * block_q * 4)  (Q, dO, lse, delta)
+                + 2 * block_kv * d * s  (K, V)                                          + 1024
+    Measured on an H200: the float32, head_dim 128 forward at 128 x 128, 3 stages asked for
+    394240 bytes, the loop term + 1024; the Q term is the margin.
+    """
+    d, s, scratch = head_dim, itemsize, 1024
+    bq, bk, bbq, bbk = config.block_q, config.block_kv, config.bwd_block_q, config.bwd_block_kv
+    return {
+        "forward": config.num_stages * 2 * bk * d * s + bq * d * s + scratch,
+        "dq": config.bwd_num_stages * 2 * bbk * d * s + 2 * bbq * d * s + scratch,
+        "dkv": config.bwd_num_stages * (2 * bbq * d * s + 2 * bbq * 4) + 2 * bbk * d * s + scratch,
+    }
+
+
+def over_limit(config: GpuConfig, head_dim: int, itemsize: int, limit: int) -> str | None:
+    """Which kernel of `config` needs more shared memory than `limit`, and how much; None if all fit."""
+    for kernel, need in shared_memory_bytes(config, head_dim, itemsize).items():
+        if need > limit:
+            return f"the {kernel} kernel needs about {need} bytes of shared memory, the GPU has {limit}"
+    return None
+
+
+def _shrink(block_q: int, block_kv: int, stages: int, floor_q: int):
+    """The next smaller (block_q, block_kv, stages), cheapest loss first: pipeline depth beyond 2,
+    key blocks down to 32, query blocks down to `floor_q`, then everything to the minimum."""
+    if stages > 2:
+        return block_q, block_kv, stages - 1
+    if block_kv > 2 * MIN_BLOCK:
+        return block_q, block_kv // 2, stages
+    if block_q > floor_q:
+        return block_q // 2, block_kv, stages
+    if stages > 1:
+        return block_q, block_kv, 1
+    if block_kv > MIN_BLOCK:
+        return block_q, block_kv // 2, stages
+    if block_q > MIN_BLOCK:
+        return block_q // 2, block_kv, stages
+    return None
+
+
+def fit(config: GpuConfig, head_dim: int, itemsize: int, limit: int) -> GpuConfig | None:
+    """`config` with the forward and backward tiles shrunk until every kernel fits `limit` bytes
+    of shared memory (unchanged if it fits), or None if even the smallest tiles do not."""
+    fwd = (config.block_q, config.block_kv, config.num_stages)
+    while fwd is not None:
+        config = dataclasses.replace(config, block_q=fwd[0], block_kv=fwd[1], num_stages=fwd[2])
+        if shared_memory_bytes(config, head_dim, itemsize)["forward"] <= limit:
+            break
+        fwd = _shrink(*fwd, floor_q=64)
+    bwd = (config.bwd_block_q, config.bwd_block_kv, config.bwd_num_stages)
+    while bwd is not None:
+        config = dataclasses.replace(config, bwd_block_q=bwd[0], bwd_block_kv=bwd[1], bwd_num_stages=bwd[2])
+        need = shared_memory_bytes(config, head_dim, itemsize)
+        if need["dq"] <= limit and need["dkv"] <= limit:
+            break
+        bwd = _shrink(*bwd, floor_q=32)
+    return None if fwd is None or bwd is None else config

@@ -1,0 +1,100 @@
+"""The Triton backend's implementation: shared-memory fit, configs, and the ring over its kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from ringjax.backends.pallas_triton import SUPPORT
+from ringjax.backends.pallas_triton import config as cfg
+from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
+from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd
+from ringjax.core.problem import Problem, check_interpret
+from ringjax.core.ring import BlockKernel, ring_attention_shard
+
+KERNEL = BlockKernel.without_extras("pallas_triton", block_fwd, block_bwd, skips_empty_steps=True)
+
+
+def _shared_memory(problem: Problem) -> tuple[tuple[int, int], int]:
+    """(compute capability, shared memory per block) the kernels must fit.
+
+    The GPU's own where one is present; else (the interpreter on a CPU, or a problem
+    described for a GPU elsewhere) an H100 / H200, so that runs here use the tiles a GPU would.
+    """
+    capability = cfg.device_capability(problem.platform) if problem.platform == "gpu" else None
+    if capability is None:
+        capability = cfg.ASSUMED_CAPABILITY
+    return capability, cfg.shared_memory_limit(capability)
+
+
+def refusal(problem: Problem, capability: tuple[int, int], limit: int) -> str | None:
+    """Why the kernels cannot run `problem` on a GPU of `capability` with `limit` bytes of shared memory."""
+    why = SUPPORT.refusal("pallas_triton", problem)
+    if why:
+        return why
+    d = problem.head_dim
+    if capability < cfg.MIN_CAPABILITY:
+        need = ".".join(map(str, cfg.MIN_CAPABILITY))
+        return f"needs an NVIDIA GPU of compute capability >= {need}, this one has {'.'.join(map(str, capability))}"
+    smallest = GpuConfig(block_q=MIN_BLOCK, block_kv=MIN_BLOCK, num_stages=1, bwd_block_q=MIN_BLOCK,
+                         bwd_block_kv=MIN_BLOCK, bwd_num_stages=1)
+    too_big = cfg.over_limit(smallest, d, _itemsize(problem), limit)
+    if too_big:
+        return f"even the smallest tiles do not fit: {too_big}"
+    return None
+
+
+def _itemsize(problem: Problem) -> int:
+    return jnp.dtype(problem.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTritonImplementation:
+    name: str = "pallas_triton"
+    config_type: type = GpuConfig
+    interpret: bool = False
+
+    def supports(self, problem: Problem) -> str | None:
+        return refusal(problem, *_shared_memory(problem))
+
+    def _fit(self, problem: Problem, config: GpuConfig) -> GpuConfig | None:
+        return cfg.fit(config, problem.head_dim, _itemsize(problem), _shared_memory(problem)[1])
+
+    def default_config(self, problem: Problem) -> GpuConfig:
+        warps = 4 if problem.head_dim <= 64 else 8
+        config = self._fit(problem, GpuConfig(num_warps=warps, interpret=self.interpret))
+        assert config is not None, "supports() refuses problems whose smallest tiles do not fit"
+        return config
+
+    def candidate_configs(self, problem: Problem) -> list[GpuConfig]:
+        # measured on H200 (benchmarks/NOTES.md, v4/v5): forward 128x128 tiles with 8 warps and
+        # 3 stages lead; the split backward with 64x64 tiles and 4 warps leads by far (the fused
+        # backward's atomics cost more than the two matmuls it saves, so it is not a candidate);
+        # each is shrunk to the GPU's shared memory, and duplicates dropped
+        out = []
+        for bq, bk, warps, stages in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)):
+            for bbq, bbk, bwarps in ((64, 64, 4), (32, 64, 4), (64, 128, 8)):
+                config = self._fit(problem, GpuConfig(block_q=bq, block_kv=bk, num_warps=warps, num_stages=stages,
+                                                      bwd_block_q=bbq, bwd_block_kv=bbk, bwd_num_warps=bwarps,
+                                                      interpret=self.interpret))
+                if config is not None and config not in out:
+                    out.append(config)
+        return out
+
+    def run(self, problem: Problem, config: GpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
+        check_interpret(self.name, self.interpret, config)
+        capability, limit = _shared_memory(problem)
+        used = cfg.used_blocks(config, problem.opts, problem.seq)
+        too_big = cfg.over_limit(used, problem.head_dim, _itemsize(problem), limit)
+        if too_big:
+            raise ValueError(f"{self.name}: {config} does not fit this GPU (compute capability "
+                             f"{'.'.join(map(str, capability))}): {too_big}; use smaller blocks or fewer stages, "
+                             "or leave config=None")
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+IMPLEMENTATION = PallasTritonImplementation()
+INTERPRET_IMPLEMENTATION = PallasTritonImplementation(name="pallas_triton_interpret", interpret=True)
+
+__all__ = ["IMPLEMENTATION", "INTERPRET_IMPLEMENTATION", "KERNEL", "GpuConfig"]

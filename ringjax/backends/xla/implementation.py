@@ -1,0 +1,37 @@
+"""Pure-XLA backend: the reference ring implementation that runs on every platform."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ringjax.backends.xla import SUPPORT
+from ringjax.backends.xla.config import XlaConfig
+from ringjax.backends.xla.kernels import block_bwd, block_fwd
+from ringjax.core.problem import Problem
+from ringjax.core.ring import BlockKernel, ring_attention_shard
+
+KERNEL = BlockKernel(name="xla", fwd=block_fwd, bwd=block_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaImplementation:
+    name: str = "xla"
+    config_type: type = XlaConfig
+
+    def supports(self, problem: Problem) -> str | None:
+        return SUPPORT.refusal(self.name, problem)
+
+    def default_config(self, problem: Problem) -> XlaConfig:
+        return XlaConfig()
+
+    def candidate_configs(self, problem: Problem) -> list[XlaConfig]:
+        sizes = sorted({min(s, problem.seq) for s in (128, 256, 512, 1024)})
+        return [XlaConfig(block_q=bq, block_kv=bk) for bq in sizes for bk in sizes]
+
+    def run(self, problem: Problem, config: XlaConfig, q, k, v, q_seg, kv_seg, sinks, extras):
+        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+IMPLEMENTATION = XlaImplementation()
+
+__all__ = ["IMPLEMENTATION", "KERNEL", "XlaConfig", "block_bwd", "block_fwd"]

@@ -1,0 +1,220 @@
+"""One ring step in plain XLA: flash-style blockwise attention with float32 statistics.
+
+Queries and keys are cut into blocks of `block_q` x `block_kv`; only one block of
+scores is live at a time, so memory is O(local_seq * block), and block pairs the
+mask hides entirely are skipped with `lax.cond`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringjax import _compat
+from ringjax.backends.xla.config import XlaConfig
+from ringjax.core.masks import (
+    BlockRange,
+    Extras,
+    TokenInfo,
+    alibi_distance,
+    dropout_batch_head,
+    dropout_keep,
+    logits,
+    logits_and_slope,
+    may_skip,
+    maybe_visible,
+    visible,
+)
+from ringjax.core.tiles import Tiling, block_ranges, matmul_precision, pick_block
+from ringjax.merge import finish, finite_or_zero
+from ringjax.options import AttentionOptions
+
+
+def _blocks(info: TokenInfo, n: int, size: int):
+    """Positions [n, size], segment ids and offsets [n, B, size] (or None), per-block ranges."""
+
+    def split(x):
+        return None if x is None else jnp.moveaxis(x.reshape(x.shape[0], n, size), 1, 0)
+
+    return info.pos.reshape(n, size), split(info.seg), split(info.segpos), block_ranges(info, size)
+
+
+def _may_see(opts: AttentionOptions, q_rng: BlockRange, k_rng: BlockRange, i, j):
+    """Whether query block i may see key block j in some batch row (bool scalar)."""
+
+    def at(r: BlockRange, n) -> BlockRange:
+        return BlockRange(*(None if x is None else x[..., n] for x in r))
+
+    return maybe_visible(opts, at(q_rng, i), at(k_rng, j)).any()
+
+
+def _split_q(x, nq, bq, kv_heads):
+    """[B, T, H, D] -> [nq, B, KVH, G, bq, D]."""
+    b, _, h, d = x.shape
+    return x.reshape(b, nq, bq, kv_heads, h // kv_heads, d).transpose(1, 0, 3, 4, 2, 5)
+
+
+def _merge_q(x):
+    """[nq, B, KVH, G, bq, D] -> [B, T, H, D]."""
+    nq, b, kvh, g, bq, d = x.shape
+    return x.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, kvh * g, d)
+
+
+def _split_rows(x, nq, bq, kv_heads):
+    """[B, H, T] -> [nq, B, KVH, G, bq]."""
+    b, h, _ = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, nq, bq).transpose(3, 0, 1, 2, 4)
+
+
+def _split_kv(x, nk, bk):
+    """[B, S, KVH, D] -> [nk, B, KVH, bk, D]."""
+    b, _, kvh, d = x.shape
+    return x.reshape(b, nk, bk, kvh, d).transpose(1, 0, 3, 2, 4)
+
+
+def _merge_kv(x):
+    nk, b, kvh, bk, d = x.shape
+    return x.transpose(1, 0, 3, 2, 4).reshape(b, nk * bk, kvh, d)
+
+
+def _at(x, i):
+    return None if x is None else x[i]
+
+
+class _Tile:
+    """Mask, bias and dropout of one (query block, key block) pair, shaped [B|1, KVH, G, bq, bk]."""
+
+    def __init__(self, opts, extras: Extras, qb_info, kb_info, kv_heads, groups):
+        qp, kp = qb_info.pos, kb_info.pos
+        self.vis = visible(opts, qb_info, kb_info)[:, None, None]
+        self.bias = self.dist = None
+        if extras.alibi_slopes is not None:
+            self.dist = alibi_distance(qp, kp)
+            slopes = extras.alibi_slopes.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None, None]
+            self.bias = slopes * self.dist
+        self.rate = opts.dropout_rate
+        if self.rate:
+            self.heads = jnp.arange(kv_heads * groups, dtype=jnp.int32).reshape(1, kv_heads, groups, 1, 1)
+            self.seed, self.head_slice, self.qp, self.kp = extras.dropout_seed, extras.head_slice, qp, kp
+
+    def logits(self, s):
+        s = s if self.bias is None else s + self.bias
+        return jnp.where(self.vis, s, -jnp.inf)
+
+    def dropped(self, x, batch: int):
+        """x * keep / (1 - rate), applied to P (and to dP in backward)."""
+        if not self.rate:
+            return x
+        b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
+        batch_head = dropout_batch_head(self.head_slice, b, self.heads, self.heads.size)
+        keep = dropout_keep(self.seed, self.rate, batch_head, self.qp, self.kp)
+        return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
+
+
+def _tiling(q, k, opts: AttentionOptions, config: XlaConfig):
+    """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks); any divisor is a legal block."""
+    tl = Tiling.of(q, k, pick_block(q.shape[1], config.block_q, opts), pick_block(k.shape[1], config.block_kv, opts))
+    return tl.batch, tl.heads, tl.kv_heads, tl.groups, tl.block_q, tl.block_kv, tl.num_q, tl.num_kv
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
+    t = q.shape[1]
+    prec = matmul_precision(q.dtype)
+    qb = _split_q(q, nq, bq, kvh)
+    kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
+    skip = may_skip(opts)
+
+    def q_block(i):
+        qi = qb[i]
+        init = (
+            _compat.match_vma(jnp.full(qi.shape[:-1], -jnp.inf, jnp.float32), q, k),
+            _compat.match_vma(jnp.zeros(qi.shape[:-1], jnp.float32), q, k),
+            _compat.match_vma(jnp.zeros(qi.shape, jnp.float32), q, k),
+        )
+
+        def kv_block(j, carry):
+            def compute(carry):
+                m, denom, acc = carry
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
+                qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
+                s = tile.logits(logits(qk, opts))
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                m_safe = finite_or_zero(m_new)
+                p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
+                alpha = jnp.exp(m - m_safe)
+                denom = alpha * denom + p.sum(axis=-1)
+                pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
+                                preferred_element_type=jnp.float32, precision=prec)
+                return m_new, denom, alpha[..., None] * acc + pv
+
+            if not skip:
+                return compute(carry)
+            return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
+
+        m, denom, acc = lax.fori_loop(0, nk, kv_block, init)
+        return finish(acc, m, denom)
+
+    out, lse = lax.map(q_block, jnp.arange(nq))
+    # lse [nq, B, KVH, G, bq] -> [B, H, T]
+    lse = lse.transpose(1, 2, 3, 0, 4).reshape(b, h, t)
+    return _merge_q(out), lse
+
+
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
+              opts: AttentionOptions, config: XlaConfig):
+    """(dq, dk, dv, d alibi_slopes or None), float32."""
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
+    prec = matmul_precision(q.dtype)
+    qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
+    lseb, deltab = _split_rows(finite_or_zero(lse), nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
+    kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
+    qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
+    kpos, kseg, ksegpos, krng = _blocks(k_info, nk, bk)
+    skip = may_skip(opts)
+    refs = (q, k, dout)
+    alibi = extras.alibi_slopes is not None
+
+    def kv_block(carry, j):
+        kj, vj = kb[j], vb[j]
+
+        def q_block(i, carry):
+            def compute(carry):
+                dq_acc, dslopes, dk, dv = carry
+                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
+                qi, doi = qb[i], dob[i]
+                qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32, precision=prec)
+                s, slope = logits_and_slope(qk, opts)
+                p = jnp.exp(tile.logits(s) - lseb[i][..., None])  # 0 where masked
+                p_drop = tile.dropped(p, b)
+                dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_drop.astype(dout.dtype), doi,
+                                     preferred_element_type=jnp.float32, precision=prec)
+                dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32, precision=prec)
+                # d out / d logit = P * (keep/(1-rate) * dP - delta): dropout enters through dP only
+                ds_logit = p * (tile.dropped(dp, b) - deltab[i][..., None])
+                if alibi:
+                    dslopes = dslopes + (ds_logit * tile.dist).sum(axis=(0, 3, 4))
+                ds = ds_logit * slope
+                dq_i = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj,
+                                  preferred_element_type=jnp.float32, precision=prec)
+                dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi,
+                                     preferred_element_type=jnp.float32, precision=prec)
+                return dq_acc.at[i].add(dq_i), dslopes, dk, dv
+
+            if not skip:
+                return compute(carry)
+            return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
+
+        dq_acc, dslopes = carry
+        zeros_kv = _compat.match_vma(jnp.zeros(kj.shape, jnp.float32), *refs)
+        dq_acc, dslopes, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, dslopes, zeros_kv, zeros_kv))
+        return (dq_acc, dslopes), (dk, dv)
+
+    dq0 = _compat.match_vma(jnp.zeros(qb.shape, jnp.float32), *refs)
+    ds0 = _compat.match_vma(jnp.zeros((kvh, g), jnp.float32), *refs)
+    (dq_acc, dslopes), (dk, dv) = lax.scan(kv_block, (dq0, ds0), jnp.arange(nk))
+    return _merge_q(dq_acc), _merge_kv(dk), _merge_kv(dv), dslopes.reshape(h) if alibi else None

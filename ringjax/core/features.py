@@ -1,0 +1,146 @@
+"""The feature table: what each implementation computes, declared once as data.
+
+Every backend registers a `Support` beside its name. Refusals of unsupported features,
+dtypes and head_dims, the `python -m ringjax implementations` table and the README's
+coverage table are all generated from it, so they cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from ringjax.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    """One thing a call can ask for: its argument, what it means, and the options it sets."""
+
+    name: str
+    label: str  # in words, for refusals
+    argument: str  # as the README's table shows it
+    meaning: str
+    used: Callable[[AttentionOptions], bool]
+    # the AttentionOptions fields this feature sets: an implementation that does not declare the
+    # feature refuses any of them set away from its default
+    fields: tuple[str, ...] = ()
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("causal", "causal masking", "`causal`", "query i sees key j only if j <= i",
+            lambda o: o.causal, ("causal",)),
+    Feature("sliding_window", "sliding windows", "`sliding_window`",
+            "`w` or `(left, right)`: i sees j iff i-left <= j <= i+right (right is 0 with causal)",
+            lambda o: o.window is not None, ("window",)),
+    Feature("segment_ids", "packed sequences", "`segment_ids`",
+            "`[batch, seq]` int32, sharded like q: attend only within equal ids (packed sequences); negative ids "
+            "are padding and see nothing",
+            lambda o: o.has_segments, ("has_segments",)),
+    Feature("logits_soft_cap", "the logit soft cap", "`logits_soft_cap`", "`s -> cap * tanh(s / cap)` after scaling",
+            lambda o: o.logits_soft_cap is not None, ("logits_soft_cap",)),
+    Feature("sinks", "learnable sinks", "`sinks`",
+            "`[heads]` learnable logits: `exp(sinks[h])` joins every softmax denominator of head h (gpt-oss); "
+            "differentiable",
+            lambda o: o.has_sinks, ("has_sinks",)),
+    Feature("chunk_size", "chunked attention", "`chunk_size`",
+            "chunked attention (Llama 4): i sees j only if both lie in the same chunk of c tokens; with `causal`, "
+            "chunked causal; chunks start at position 0",
+            lambda o: o.chunk_size is not None and not o.has_segments, ("chunk_size",)),
+    Feature("chunk_size_segments", "per-document chunks", "`chunk_size` with `segment_ids`",
+            "chunks start at the first token of every packed document",
+            lambda o: o.chunk_size is not None and o.has_segments, ("chunk_size",)),
+    Feature("alibi_slopes", "ALiBi", "`alibi_slopes`",
+            "`[heads]`: logits get `-slope[h] * abs(i - j)` (after the soft cap); differentiable",
+            lambda o: o.has_alibi, ("has_alibi",)),
+    Feature("dropout", "dropout", "`dropout_rate`, `dropout_rng`",
+            "dropout on probabilities; the mask is a counter-based hash of (key, batch, head, i, j), identical for "
+            "any ring size and layout, regenerated in backward",
+            lambda o: o.dropout_rate > 0, ("dropout_rate",)),
+    Feature("num_sink_tokens", "sink tokens", "`num_sink_tokens`",
+            "StreamingLLM: every query also sees the first s tokens of its segment (with windows: sinks reach far "
+            "shards by one small all-reduce, not the whole ring)",
+            lambda o: o.num_sink_tokens > 0, ("num_sink_tokens",)),
+    Feature("all_gather", "the all-gather K/V schedule", '`strategy="all_gather"`',
+            "K/V of the whole axis gathered once instead of travelling the ring (keys in natural order)",
+            lambda o: o.gather_kv, ("gather_kv",)),
+    Feature("ulysses", "the Ulysses/hybrid subshards", '`strategy="ulysses"` / `"hybrid"`',
+            "an all-to-all to whole sequences of a slice of the heads (a device holds interleaved subshards)",
+            lambda o: o.subshards > 1, ("subshards",)),
+)
+BY_NAME = {f.name: f for f in FEATURES}
+# options every implementation reads, whatever it supports: scale, layout and ring geometry
+COMMON_FIELDS = frozenset({"softmax_scale", "layout", "axis_name", "axis_size"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """What one implementation computes: features by name, dtypes, head_dims.
+
+    `head_dims` is a predicate with `head_dims_text` saying it in words; None means any.
+    Limits that depend on the machine (shared memory, GPU generation) stay in the
+    implementation's own `supports()`.
+    """
+
+    features: frozenset[str]
+    dtypes: tuple[str, ...]
+    head_dims: Callable[[int], bool] | None = None
+    head_dims_text: str = "any"
+    min_seq_multiple: int = 1  # each contiguous run of a device's tokens is a multiple of this
+
+    def __post_init__(self):
+        unknown = sorted(set(self.features) - set(BY_NAME))
+        if unknown:
+            raise ValueError(f"unknown feature(s) {unknown}; features are {sorted(BY_NAME)}")
+
+    def known_fields(self) -> frozenset[str]:
+        fields = set(COMMON_FIELDS)
+        for name in self.features:
+            fields.update(BY_NAME[name].fields)
+        return frozenset(fields)
+
+    def refusal(self, name: str, problem) -> str | None:
+        """Why implementation `name` cannot run `problem` (a core.problem.Problem) by this table, or None."""
+        opts = problem.opts
+        missing = [f"{f.label} ({f.argument})" for f in FEATURES if f.name not in self.features and f.used(opts)]
+        # an option no feature of this implementation covers (one added later) is refused too
+        missing += [field for field in _set_fields(opts) if field not in self.known_fields()
+                    and not any(field in f.fields for f in FEATURES if f.used(opts))]
+        if missing:
+            return f"{', '.join(dict.fromkeys(missing))} is not implemented in {name}"
+        if problem.dtype not in self.dtypes:
+            return f"dtype {problem.dtype} is not supported: needs one of {', '.join(self.dtypes)}"
+        if self.head_dims is not None and not self.head_dims(problem.head_dim):
+            return f"head_dim {problem.head_dim} is not supported: needs {self.head_dims_text}"
+        unit = problem.seq // opts.shards_per_device
+        if unit % self.min_seq_multiple:
+            what = ("half the per-device sequence (zigzag)" if opts.shards_per_device == 2
+                    else "the per-device sequence")
+            return f"{what} is {unit}: must be a multiple of {self.min_seq_multiple}"
+        return None
+
+
+def _set_fields(opts: AttentionOptions) -> list[str]:
+    """Options fields set away from their defaults."""
+    out = []
+    for field in dataclasses.fields(opts):
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if getattr(opts, field.name) != default:
+            out.append(field.name)
+    return out
+
+
+_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def markdown_table(columns: list[tuple[str, Support]]) -> str:
+    """The README's coverage table: one row per feature (yes / refused), then dtypes and head_dims."""
+    header = "| argument | meaning | " + " | ".join(f"`{name}`" for name, _ in columns) + " |"
+    lines = [header, "|" + "---|" * (2 + len(columns))]
+    for f in FEATURES:
+        cells = ["yes" if f.name in s.features else "refused" for _, s in columns]
+        lines.append(f"| {f.argument} | {f.meaning} | " + " | ".join(cells) + " |")
+    dtypes = [", ".join(_DTYPE_NAMES.get(d, d) for d in s.dtypes) for _, s in columns]
+    lines.append("| dtype | of q, k, v | " + " | ".join(dtypes) + " |")
+    lines.append("| head_dim | of q, k, v | " + " | ".join(s.head_dims_text for _, s in columns) + " |")
+    return "\n".join(lines)

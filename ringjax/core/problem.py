@@ -1,0 +1,173 @@
+"""What a backend sees of one call, and what a backend is: `Problem`, `Implementation`, `KernelConfig`.
+
+The shared vocabulary of dispatch and the backends; it names no backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from typing import Any, Protocol
+
+import jax
+
+from ringjax.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One call as a device sees it: per-device shapes, dtype and options."""
+
+    opts: AttentionOptions
+    batch: int
+    seq: int  # local (per-device) sequence length
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    platform: str
+    device_kind: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" = not resolved yet (see resolved())
+
+    def resolved(self) -> Problem:
+        """This problem with `device_kind` filled in from the first device of `platform`."""
+        if self.device_kind:
+            return self
+        return dataclasses.replace(self, device_kind=current_device_kind(self.platform))
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads // self.kv_heads
+
+
+class Implementation(Protocol):
+    """What a backend module exposes as `IMPLEMENTATION`."""
+
+    name: str
+    config_type: type
+
+    def supports(self, problem: Problem) -> str | None:
+        """None if the problem can run, else a reason a person can act on."""
+
+    def default_config(self, problem: Problem) -> Any:
+        """The heuristic config for this problem."""
+
+    def candidate_configs(self, problem: Problem) -> list[Any]:
+        """Configs worth timing when autotuning this problem."""
+
+    def run(self, problem: Problem, config, q, k, v, q_seg, kv_seg, sinks, extras) -> tuple[Any, Any]:
+        """Per-device, differentiable: (out, lse). `extras` is a masks.Extras."""
+
+
+def unknown_options(opts: AttentionOptions, known: frozenset[str]) -> list[str]:
+    """Options set away from their defaults that are not in `known`.
+
+    Every implementation lists the options it implements, so a feature added to
+    AttentionOptions later is refused by each implementation until it learns it.
+    """
+    out = []
+    for field in dataclasses.fields(opts):
+        default = field.default if field.default is not dataclasses.MISSING else None
+        if field.name not in known and getattr(opts, field.name) != default:
+            out.append(field.name)
+    return out
+
+
+def check_interpret(name: str, interpret: bool, config) -> None:
+    """A kernel implementation and its interpreter twin each run only configs that say which they are."""
+    if config.interpret == interpret:
+        return
+    kind = type(config).__name__
+    if interpret:
+        raise ValueError(f"{name} runs the kernels in the Pallas interpreter: pass {kind}(interpret=True)")
+    raise ValueError(f"{name} compiles the kernels: pass {kind}(interpret=False), or use {name}_interpret")
+
+
+def current_platform() -> str:
+    return jax.default_backend()
+
+
+@functools.cache
+def current_device_kind(platform: str | None = None) -> str:
+    """`device_kind` of the first device of `platform` (default backend if None)."""
+    return str(jax.devices(platform)[0].device_kind)
+
+
+def config_to_json(config) -> dict[str, Any]:
+    """A frozen-dataclass config as a JSON-ready dict of its fields (tuples become lists)."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"config must be a dataclass instance, got {type(config).__name__}")
+    return {f.name: _to_json(getattr(config, f.name), f"{type(config).__name__}.{f.name}")
+            for f in dataclasses.fields(config)}
+
+
+def config_from_json(config_type: type, data: Any):
+    """Rebuild a `config_type` from `config_to_json` output; ValueError if it does not fit.
+
+    Unknown or missing fields and values the config's own validation rejects all
+    raise ValueError naming the config type, so a stale cache entry is detectable.
+    """
+    name = getattr(config_type, "__name__", repr(config_type))
+    if not (isinstance(config_type, type) and dataclasses.is_dataclass(config_type)):
+        raise TypeError(f"config_type must be a dataclass type, got {config_type!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} JSON must be an object, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(config_type) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{name} has no field(s) {unknown}; fields are {sorted(fields)}")
+    missing = sorted(n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if missing:
+        raise ValueError(f"{name} JSON lacks required field(s) {missing}")
+    kwargs = {key: _from_json(value, f"{name}.{key}") for key, value in data.items()}
+    try:
+        return config_type(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"invalid {name} JSON {data!r}: {e}") from e
+
+
+class KernelConfig:
+    """Base of the backends' frozen-dataclass configs: field checks and a JSON round trip."""
+
+    def _check_ints(self, names, valid, expected: str) -> None:
+        """ValueError naming `Type.field` unless each named field is an int (not a bool) with valid(value)."""
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not valid(value):
+                raise ValueError(f"{type(self).__name__}.{name} must be {expected}, got {value!r}")
+
+    def _check_bools(self, names) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{type(self).__name__}.{name} must be a bool, got {type(value).__name__}")
+
+    def to_json(self) -> str:
+        return json.dumps(config_to_json(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str):
+        return config_from_json(cls, json.loads(text))
+
+
+def _to_json(value, where: str):
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} = {value} is not representable in JSON")
+        return value
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v, where) for v in value]
+    raise TypeError(f"{where} has type {type(value).__name__}; configs hold only None, bool, int, float, "
+                    "str and tuples of those")
+
+
+def _from_json(value, where: str):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return tuple(_from_json(v, where) for v in value)
+    raise ValueError(f"{where}: unexpected JSON value {value!r}")

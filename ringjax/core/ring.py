@@ -1,0 +1,332 @@
+"""The ppermute ring: K/V travel, queries stay, partial results merge by lse.
+
+This file is the per-device op and its K/V schedules: the ring, or (`opts.gather_kv`)
+K/V gathered once over the axis and dK/dV reduce-scattered back. What happens inside
+one step (local queries against one block of keys) is a `BlockKernel` supplied by a backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ringjax import _compat
+from ringjax.core.masks import Extras, StepOptions, TokenInfo, maybe_visible
+from ringjax.core.schedule import ring_plan, steps_may_be_empty
+from ringjax.core.tiles import shard_range
+from ringjax.layouts import local_positions
+from ringjax.merge import add_sinks, merge_attention
+from ringjax.options import AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockKernel:
+    """One ring step: all local queries against one shard of keys.
+
+    fwd(q, k, v, q_info, k_info, extras, opts, config) -> (out f32 [B,T,H,D], lse f32 [B,H,T])
+    bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
+      -> (dq, dk, dv, d alibi_slopes or None), float32,
+      where lse is the final (whole-ring) lse and delta = rowsum(dout * out) - dlse.
+    Both must give exact zeros (and lse -inf) for rows that see no key.
+    `skips_empty_steps`: the kernel itself does no work on a step the mask empties,
+    so the ring runs it unconditionally instead of under `lax.cond` (on GPUs a
+    conditional reads its predicate on the host, stalling the stream every step).
+    `ring_fwd`, `ring_bwd`: optional replacements of the whole forward / backward ring
+    (e.g. one fused kernel that moves K/V itself):
+      ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
+      ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
+        -> (dq, dk, dv, d alibi_slopes or None), float32.
+    """
+
+    name: str
+    fwd: Callable[..., Any]
+    bwd: Callable[..., Any]
+    skips_empty_steps: bool = False
+    ring_fwd: Callable[..., Any] | None = None
+    ring_bwd: Callable[..., Any] | None = None
+
+    @classmethod
+    def without_extras(cls, name: str, block_fwd: Callable[..., Any], block_bwd: Callable[..., Any], **kw):
+        """A kernel from steps that take no `extras` (their backend refuses ALiBi and dropout):
+        block_fwd(q, k, v, q_info, k_info, opts, config), block_bwd(..., opts, config) -> (dq, dk, dv)."""
+
+        def fwd(q, k, v, q_info, k_info, extras, opts, config):
+            return block_fwd(q, k, v, q_info, k_info, opts, config)
+
+        def bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+            return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+
+        return cls(name, fwd, bwd, **kw)
+
+
+def shift(tree, opts: AttentionOptions, d: int):
+    """Device r receives the value of device r - d (mod N)."""
+    n = opts.axis_size
+    d %= n
+    if d == 0:
+        return tree
+    perm = [(i, (i + d) % n) for i in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, opts.axis_name, perm), tree)
+
+
+def shard_index(opts: AttentionOptions):
+    """This device's index on the ring (0 without a ring)."""
+    return lax.axis_index(opts.axis_name) if opts.axis_name is not None else jnp.int32(0)
+
+
+def _run_step(opts, kernel, q_info, k_info, compute, empty):
+    """Run `compute` unless the mask hides every key of this step from every query."""
+    if kernel.skips_empty_steps or not steps_may_be_empty(opts):
+        return compute()
+    pred = maybe_visible(opts, shard_range(q_info), shard_range(k_info))
+    return lax.cond(pred, compute, empty)
+
+
+def _positions(opts: AttentionOptions, shard, t: int, xp=jnp):
+    """Global positions of the t tokens that device `shard` holds."""
+    return local_positions(opts.layout, shard, opts.axis_size, t, xp=xp, subshards=opts.subshards)
+
+
+def _natural_order(opts: AttentionOptions, t: int) -> np.ndarray | None:
+    """Indices that put the devices' tokens, concatenated in device order, in natural order (None: already)."""
+    order = np.argsort(np.concatenate([_positions(opts, r, t, xp=np) for r in range(opts.axis_size)]))
+    return None if np.array_equal(order, np.arange(order.size)) else order
+
+
+def _whole(x, opts: AttentionOptions, order):
+    """x [B, t, ...] of every device along the sequence, in natural token order."""
+    if opts.axis_size > 1:
+        x = lax.all_gather(x, opts.axis_name, axis=1, tiled=True)
+    return x if order is None else x[:, order]
+
+
+def _scatter_home(x, opts: AttentionOptions, order):
+    """Transpose of `_whole`: every device's contributions summed, each device keeping its own tokens."""
+    if order is not None:
+        x = x[:, np.argsort(order)]
+    return lax.psum_scatter(x, opts.axis_name, scatter_dimension=1, tiled=True) if opts.axis_size > 1 else x
+
+
+def _needs_segpos(opts: AttentionOptions) -> bool:
+    return bool(opts.num_sink_tokens) or (opts.chunk_size is not None and opts.has_segments)
+
+
+def _segment_offsets(whole_seg):
+    """Offset [B, T] of each token within its run of equal segment ids (whole sequence, natural order).
+
+    Sink tokens and per-document chunks need it; a run may begin on another shard, so the
+    segment ids of the whole sequence (a few bytes per token) are gathered once.
+    """
+    idx = jnp.arange(whole_seg.shape[1], dtype=jnp.int32)
+    boundary = jnp.concatenate([jnp.ones_like(whole_seg[:, :1], bool), whole_seg[:, 1:] != whole_seg[:, :-1]],
+                               axis=1)
+    start = lax.cummax(jnp.where(boundary, idx, 0), axis=1)
+    return idx - start
+
+
+def _infos(opts, shard, q, q_seg):
+    t = q.shape[1]
+    pos = _positions(opts, shard, t)
+    segpos = None
+    if _needs_segpos(opts):
+        # without segments the offset is the global position
+        segpos = _segment_offsets(_whole(q_seg, opts, _natural_order(opts, t)))[:, pos] if opts.has_segments \
+            else pos[None, :]
+    return TokenInfo(pos, q_seg, segpos)
+
+
+def _gather_kv(opts, k, v, kv_seg):
+    """K, V and their TokenInfo for the whole sequence in natural order (monotone positions keep block
+    skipping tight), and the order that `_scatter_home` undoes."""
+    order = _natural_order(opts, k.shape[1])
+    k_all, v_all = _whole(k, opts, order), _whole(v, opts, order)
+    seg = None if kv_seg is None else _whole(kv_seg, opts, order)
+    pos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+    segpos = None
+    if _needs_segpos(opts):
+        segpos = pos[None, :] if seg is None else _segment_offsets(seg)
+    return k_all, v_all, TokenInfo(pos, seg, segpos), order
+
+
+def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+    """The all-gather schedule: one kernel call of the local queries against every key."""
+    q_info = _infos(opts, shard_index(opts), q, q_seg)
+    k_all, v_all, k_info, _ = _gather_kv(opts, k, v, kv_seg)
+    return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config)
+
+
+def _gather_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
+    # K/V are gathered again rather than kept from the forward: residuals stay O(local sequence)
+    q_info = _infos(opts, shard_index(opts), q, q_seg)
+    k_all, v_all, k_info, order = _gather_kv(opts, k, v, kv_seg)
+    dq, dk, dv, dslopes = kernel.bwd(q, k_all, v_all, dout, lse, delta, q_info, k_info, extras, opts, config)
+    return dq, _scatter_home(dk, opts, order), _scatter_home(dv, opts, order), dslopes
+
+
+def _without_sinks(opts, plan):
+    """Options of the regular steps: a shortened ring leaves the sink tokens to a step of their own."""
+    return dataclasses.replace(opts, num_sink_tokens=0) if plan.sink_step else opts
+
+
+def _sink_onehot(pos, s, dtype):
+    return (pos[None, :] == jnp.arange(s, dtype=pos.dtype)[:, None]).astype(dtype)  # [s, L]
+
+
+def _sink_kv(x, pos, opts):
+    """K or V of the first s global tokens, on every device (only without segments)."""
+    s = opts.num_sink_tokens
+    # HIGHEST: a one-hot product must copy values exactly (no TF32 rounding on GPUs)
+    part = jnp.einsum("sl,blhd->bshd", _sink_onehot(pos, s, x.dtype), x, preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST)
+    return lax.psum(part, opts.axis_name).astype(x.dtype)
+
+
+def _sink_info(opts):
+    pos = jnp.arange(opts.num_sink_tokens, dtype=jnp.int32)
+    return TokenInfo(pos, None, pos[None, :])
+
+
+def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+    b, t, h, _ = q.shape
+    n = opts.axis_size
+    shard = shard_index(opts)
+    plan = ring_plan(opts, t)
+    q_info = _infos(opts, shard, q, q_seg)
+    ring_opts = _without_sinks(opts, plan)
+    kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
+    out = lse = None
+    for step in range(plan.num_steps):
+        # issue the next transfer before this step's compute so the two overlap
+        nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
+        k_cur, v_cur, seg_cur, segpos_cur = kv
+        src = plan.source(shard, step, n)
+        k_info = TokenInfo(_positions(opts, src, t), seg_cur, segpos_cur)
+
+        def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
+            return kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config)
+
+        def empty(k_cur=k_cur):
+            zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
+            return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
+
+        o, lse_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
+        out, lse = (o, lse_s) if out is None else merge_attention(out, lse, o, lse_s)
+        kv = nxt
+    if plan.sink_step:
+        sink_opts = StepOptions.sink_step(opts)
+        k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
+        o, lse_s = kernel.fwd(q, k_s, v_s, q_info, _sink_info(opts), extras, sink_opts, config)
+        out, lse = merge_attention(out, lse, o, lse_s)
+    return out, lse
+
+
+_NO_EXTRAS = Extras()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=_NO_EXTRAS):
+    """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
+    out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+    return out, lse
+
+
+def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    if opts.gather_kv:
+        out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+    elif kernel.ring_fwd is not None:
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config)
+    else:
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    out = out.astype(q.dtype)
+    return out, lse, (q, k, v, q_seg, kv_seg, sinks, extras, out, lse)
+
+
+def _fwd_rule(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    out, lse, res = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+    return (out, lse), res
+
+
+def _bwd_rule(opts, kernel, config, res, cts):
+    q, k, v, q_seg, kv_seg, sinks, extras, out, lse = res
+    dout, dlse = cts
+    dout = dout.astype(q.dtype)
+    # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
+    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
+    delta = delta - dlse.astype(jnp.float32)
+    alibi = extras.alibi_slopes is not None
+    if opts.gather_kv:
+        ring_bwd = functools.partial(_gather_backward, kernel)
+    elif kernel.ring_bwd is not None:
+        ring_bwd = kernel.ring_bwd
+    else:
+        ring_bwd = functools.partial(_ring_backward, kernel)
+    dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
+
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+    dextras = Extras(alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
+
+
+def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
+    t = q.shape[1]
+    n = opts.axis_size
+    shard = shard_index(opts)
+    plan = ring_plan(opts, t)
+    ring_opts = _without_sinks(opts, plan)
+    q_info = _infos(opts, shard, q, q_seg)
+    alibi = extras.alibi_slopes is not None
+
+    kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
+    dq = dkv = dslopes = None
+    for step in range(plan.num_steps):
+        nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
+        k_cur, v_cur, seg_cur, segpos_cur = kv
+        k_info = TokenInfo(_positions(opts, plan.source(shard, step, n), t), seg_cur, segpos_cur)
+
+        def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
+            return kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config)
+
+        def empty(k_cur=k_cur):
+            refs = (q, k_cur, dout)
+            zeros = [_compat.match_vma(jnp.zeros(x.shape, jnp.float32), *refs) for x in (q, k, v)]
+            slopes = _compat.match_vma(jnp.zeros(q.shape[2], jnp.float32), *refs) if alibi else None
+            return (*zeros, slopes)
+
+        dq_s, dk_s, dv_s, dsl_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
+        dq = dq_s if dq is None else dq + dq_s
+        dslopes = dsl_s if dslopes is None else dslopes + dsl_s
+        dkv = (dk_s, dv_s) if dkv is None else (dkv[0] + dk_s, dkv[1] + dv_s)
+        if step + 1 < plan.num_steps:
+            dkv = shift(dkv, opts, 1)  # dK/dV travel with the K/V they belong to
+        kv = nxt
+    dk, dv = shift(dkv, opts, plan.home_shift)
+
+    if plan.sink_step:
+        sink_opts = StepOptions.sink_step(opts)
+        k_s, v_s = _sink_kv(k, q_info.pos, opts), _sink_kv(v, q_info.pos, opts)
+        dq_s, dk_s, dv_s, dsl_s = kernel.bwd(q, k_s, v_s, dout, lse, delta, q_info, _sink_info(opts), extras,
+                                             sink_opts, config)
+        dq = dq + dq_s
+        dslopes = None if dsl_s is None else dslopes + dsl_s
+        onehot = _sink_onehot(q_info.pos, opts.num_sink_tokens, jnp.float32)
+        # every device touched the sink keys: sum, then each owner keeps its own slots
+        hi = lax.Precision.HIGHEST
+        dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name), precision=hi)
+        dv = dv + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dv_s, opts.axis_name), precision=hi)
+
+    return dq, dk, dv, dslopes
+
+
+ring_attention_shard.defvjp(_fwd_rule, _bwd_rule)

@@ -1,0 +1,99 @@
+"""How one ring step is cut into tiles: block sizes, the static tiling, per-block ranges.
+
+Every backend cuts the local queries [T] and the step's keys [S] into blocks of
+`block_q` and `block_kv` tokens. Under zigzag a shard is two chunks far apart in the
+sequence; blocks never straddle them, so each block's positions form a tight range
+and the mask can skip whole blocks (`masks.maybe_visible` on `block_ranges`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringjax.core.masks import BlockRange, TokenInfo
+from ringjax.options import AttentionOptions
+
+
+def divisor_block(unit: int, want: int, *, multiple_of: int = 1, power_of_two: bool = False) -> int | None:
+    """Largest size <= `want` that divides `unit` and is a multiple of `multiple_of`
+    (and a power of two if asked), or None if there is none."""
+    for size in range(min(want, unit) // multiple_of * multiple_of, 0, -multiple_of):
+        if unit % size == 0 and not (power_of_two and size & (size - 1)):
+            return size
+    return None
+
+
+def pick_block(length: int, want: int, opts: AttentionOptions, **rules) -> int | None:
+    """`divisor_block` of one chunk of a shard of `length` tokens (half the shard under zigzag)."""
+    return divisor_block(length // opts.shards_per_device, want, **rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static block structure of one step: q [batch, q_len, heads, head_dim] against k [batch, kv_len, kv_heads, _]."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    has_segments: bool = False
+
+    @classmethod
+    def of(cls, q, k, block_q: int, block_kv: int, has_segments: bool = False) -> Tiling:
+        b, t, h, d = q.shape
+        return cls(b, h, k.shape[2], d, t, k.shape[1], block_q, block_kv, has_segments)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def num_q(self) -> int:
+        return self.q_len // self.block_q
+
+    @property
+    def num_kv(self) -> int:
+        return self.kv_len // self.block_kv
+
+    @property
+    def rows(self) -> int:
+        """Rows of a query tile holding all query heads of one KV head."""
+        return self.groups * self.block_q
+
+
+def block_ranges(info: TokenInfo, size: int) -> BlockRange:
+    """Bounds of each block of `size` tokens: positions [n], segment ids and offsets [rows, n]."""
+    n = info.pos.shape[0] // size
+
+    def per_block(x, reduce):
+        return None if x is None else reduce(x.reshape(x.shape[0], n, size), axis=2)
+
+    pos = info.pos.reshape(n, size)
+    return BlockRange(pos.min(axis=1), pos.max(axis=1), per_block(info.seg, jnp.min), per_block(info.seg, jnp.max),
+                      per_block(info.segpos, jnp.min))
+
+
+def shard_range(info: TokenInfo) -> BlockRange:
+    """Bounds over all tokens of a shard (and every batch row): scalars."""
+    r = block_ranges(info, info.pos.shape[0])
+
+    def lo(x):
+        return None if x is None else x.min()
+
+    def hi(x):
+        return None if x is None else x.max()
+
+    return BlockRange(lo(r.pos_lo), hi(r.pos_hi), lo(r.seg_lo), hi(r.seg_hi), lo(r.segpos_lo))
+
+
+def matmul_precision(dtype):
+    """float32 tiles get true float32 products (GPUs would otherwise round the inputs to TF32)."""
+    return lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT

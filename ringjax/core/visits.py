@@ -1,0 +1,59 @@
+"""Which key blocks each 64-row tile visits, decided in XLA before the launch.
+
+Per tile a row of four bounds lo <= flo <= fhi <= hi over the other operand's blocks:
+[lo, hi) covers every block the mask may show, [flo, fhi) only blocks it shows whole (no
+element mask); the rest of [lo, hi) is masked element-wise and nothing outside is visited.
+For position-only masks on any layout both sets are contiguous, so nothing hidden is
+visited; with segments a hidden block inside [lo, hi) is visited under the mask.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from ringjax.core.masks import BlockRange, TokenInfo, fully_visible, may_skip, maybe_visible
+from ringjax.core.tiles import block_ranges
+from ringjax.options import AttentionOptions
+
+
+def _ranges(info: TokenInfo, size: int, pos_axis: int, seg_axis: int) -> BlockRange:
+    """`tiles.block_ranges` with positions along `pos_axis` and segment ids along `seg_axis` (broadcastable)."""
+    r = block_ranges(info, size)
+    pos = [jnp.expand_dims(x, pos_axis) for x in (r.pos_lo, r.pos_hi)]
+    seg = [None if x is None else jnp.expand_dims(x, seg_axis) for x in (r.seg_lo, r.seg_hi)]
+    return BlockRange(*pos, *seg)
+
+
+def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
+                transpose: bool = False):
+    """int32 [Bl, n_rows, 4] bounds (lo, flo, fhi, hi) over column blocks, or None if the mask hides nothing.
+
+    `rows`/`cols` are the queries/keys, or with `transpose` the keys/queries (the dK/dV walk);
+    Bl is the batch with segments, else 1.
+    """
+    if not may_skip(opts):
+        return None
+    q_info, k_info = (cols, rows) if transpose else (rows, cols)
+    bq, bk = (col_size, row_size) if transpose else (row_size, col_size)
+    qr, kr = _ranges(q_info, bq, 1, 2), _ranges(k_info, bk, 0, 1)  # pos [nq, 1] / [1, nk]
+    batch = q_info.seg.shape[0] if q_info.seg is not None else 1
+    shape = (batch, qr.pos_lo.shape[0], kr.pos_lo.shape[1])
+    maybe = jnp.broadcast_to(maybe_visible(opts, qr, kr), shape)
+    full = jnp.broadcast_to(fully_visible(opts, qr, kr), shape)
+    if transpose:
+        maybe, full = jnp.swapaxes(maybe, 1, 2), jnp.swapaxes(full, 1, 2)
+    m = maybe.shape[-1]
+    col = jnp.arange(m, dtype=jnp.int32)
+    hi = jnp.max(jnp.where(maybe, col + 1, 0), axis=-1)
+    lo = jnp.minimum(jnp.min(jnp.where(maybe, col, m), axis=-1), hi)
+    fhi = jnp.max(jnp.where(full, col + 1, 0), axis=-1)
+    flo = jnp.min(jnp.where(full, col, m), axis=-1)
+    # a gap among the fully visible blocks: treat none as fully visible (masking is always exact)
+    contiguous = (fhi > flo) & (fhi - flo == full.sum(axis=-1))
+    flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
+    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def block_starts(info: TokenInfo, size: int):
+    """int32 [n]: global position of the first token of each block."""
+    return info.pos.reshape(-1, size)[:, 0].astype(jnp.int32)

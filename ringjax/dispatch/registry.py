@@ -1,0 +1,163 @@
+"""Which implementations of an op exist, where they run, and which one a call gets.
+
+Each backend package under ringjax/backends registers its implementations by name with
+their platforms, priority and feature table when the registry first looks (this module
+names none of them). The module that holds an implementation's code is imported only
+when it is selected or inspected, so importing ringjax never imports an optional backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import warnings
+from typing import Any
+
+from ringjax.core.features import Support
+from ringjax.core.problem import (  # noqa: F401  (re-exported: the dispatch vocabulary)
+    Implementation,
+    KernelConfig,
+    Problem,
+    check_interpret,
+    config_from_json,
+    config_to_json,
+    current_device_kind,
+    current_platform,
+    unknown_options,
+)
+
+
+def run_per_device(impl: Implementation, problem: Problem, config, q, k, v, seg, sinks, extras):
+    """Run `impl` on one device's shards, inside shard_map or on one device."""
+    from ringjax import _compat
+
+    axis = problem.opts.axis_name
+    if axis is not None:
+        # parameters replicated over the ring get one gradient per device; the cast's
+        # transpose sums them
+        if sinks is not None:
+            sinks = _compat.to_varying(sinks, axis)
+        if extras.alibi_slopes is not None:
+            extras = extras._replace(alibi_slopes=_compat.to_varying(extras.alibi_slopes, axis))
+    return impl.run(problem, config, q, k, v, seg, seg, sinks, extras)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    op: str
+    name: str
+    platforms: tuple[str, ...]
+    priority: int
+    target: str  # "module:attribute" of the Implementation, imported lazily
+    auto: bool = True  # False: only runs when named explicitly (e.g. CPU simulations of kernels)
+    support: Support | None = None  # its row of the feature table (None: not declared)
+
+    def load(self) -> Implementation:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+_REGISTRY: dict[tuple[str, str], Registration] = {}
+_ALIASES: dict[tuple[str, str], str] = {}
+_BACKENDS = "ringjax.backends"
+_discovered = False
+
+
+def register(op: str, name: str, *, platforms, priority: int, target: str, auto: bool = True,
+             support: Support | None = None) -> Registration:
+    """Register (or replace) an implementation of `op`; `target` is imported on first use.
+
+    `auto=False` keeps it out of "auto" selection: it runs only when named. `support` is the
+    implementation's feature table (what `python -m ringjax implementations` shows).
+    """
+    reg = Registration(op, name, tuple(platforms), int(priority), target, bool(auto), support)
+    _REGISTRY[(op, name)] = reg
+    return reg
+
+
+def register_alias(op: str, old: str, new: str) -> None:
+    """Keep a former implementation name working, with a DeprecationWarning naming `new`."""
+    _ALIASES[(op, old)] = new
+
+
+def unregister(op: str, name: str) -> None:
+    """Remove an implementation (KeyError if it is not registered)."""
+    del _REGISTRY[(op, name)]
+
+
+def _discover() -> None:
+    """Import every backend package under ringjax/backends once: each registers itself."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    package = importlib.import_module(_BACKENDS)
+    for info in pkgutil.iter_modules(package.__path__):
+        importlib.import_module(f"{_BACKENDS}.{info.name}")
+
+
+def registrations(op: str) -> list[Registration]:
+    _discover()
+    return sorted((r for r in _REGISTRY.values() if r.op == op), key=lambda r: -r.priority)
+
+
+def canonical_name(op: str, implementation: str) -> str:
+    """`implementation` with a deprecated alias replaced by its current name (and a warning)."""
+    _discover()
+    new = _ALIASES.get((op, implementation))
+    if new is None:
+        return implementation
+    warnings.warn(f"implementation={implementation!r} is deprecated: it is now called {new!r}",
+                  DeprecationWarning, stacklevel=4)
+    return new
+
+
+def refusal(reg: Registration, problem: Problem) -> str | None:
+    """Why `reg` cannot run `problem` here, or None."""
+    if problem.platform not in reg.platforms:
+        return f"runs on {', '.join(reg.platforms)}, not {problem.platform}"
+    try:
+        impl = reg.load()
+    except ImportError as e:  # an optional dependency is missing
+        return f"cannot be imported: {e}"
+    return impl.supports(problem)
+
+
+def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration, Implementation]:
+    """Resolve "auto" or a name to a runnable implementation, or explain every refusal."""
+    implementation = canonical_name(op, implementation)
+    regs = registrations(op)
+    if implementation == "auto":
+        regs = [r for r in regs if r.auto]
+    else:
+        regs = [r for r in regs if r.name == implementation]
+        if not regs:
+            known = ", ".join(r.name for r in registrations(op))
+            raise ValueError(f"implementation must be 'auto' or one of: {known}; got {implementation!r}")
+    reasons = []
+    for reg in regs:
+        why = refusal(reg, problem)
+        if why is None:
+            return reg, reg.load()
+        reasons.append(f"  {reg.name}: {why}")
+    raise ValueError(
+        f"no implementation of {op} can run this call (implementation={implementation!r}):\n" + "\n".join(reasons)
+    )
+
+
+def list_implementations(op: str = "ring_attention") -> list[dict[str, Any]]:
+    """Registered implementations of `op`, highest priority first, and whether each runs here."""
+    here = current_platform()
+    return [
+        {
+            "name": r.name,
+            "platforms": r.platforms,
+            "priority": r.priority,
+            "runs_here": here in r.platforms,
+            "auto": r.auto,
+        }
+        for r in registrations(op)
+    ]
+
+

@@ -1,1 +1,0 @@
-"""Pallas backends; each subpackage is one platform and is imported only when selected."""

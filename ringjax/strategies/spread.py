@@ -1,0 +1,230 @@
+"""Context-parallel strategies: how a sequence sharded over mesh axes becomes per-device attention.
+
+- ring: K/V travel around a ppermute ring over the axis (`ring.py`); O(local sequence) memory.
+- all_gather: K/V (and segment ids) gathered once over the axis, local queries attend to the
+  whole sequence, dK/dV reduce-scattered back (`ring.py`, `opts.gather_kv`); K/V memory is
+  O(whole sequence) per device.
+- ulysses: an all-to-all turns sequence-sharded q, k, v into whole sequences of a slice of
+  the heads, each device runs single-device attention on its heads, an all-to-all turns the
+  output back. Needs the query heads divisible by the axis size; with fewer KV heads K/V
+  heads are repeated first (see `run_per_device`).
+- hybrid: ulysses over a head axis, then the ring over a ring axis, for
+  `axis_name=(head_axis, ring_axis)` with the sequence split over both, head axis major.
+
+Every strategy runs the registry's implementation on a per-device `Problem` (`Strategy.problem`);
+mask rules stay in masks.py, so every feature is computed exactly as by the ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from ringjax import _compat
+from ringjax.core.schedule import reach
+from ringjax.dispatch import registry
+from ringjax.strategies import plan
+
+STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
+CHOICES = STRATEGIES + ("auto",)
+
+log = logging.getLogger("ringjax.strategy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One strategy bound to mesh axes: an all-to-all over `head_axis` (ulysses, hybrid), then
+    K/V exchanged over `ring_axis` (ring, all_gather, hybrid). Sizes are the axes' sizes."""
+
+    name: str
+    head_axis: str | None = None
+    head_size: int = 1
+    ring_axis: str | None = None
+    ring_size: int = 1
+
+    @property
+    def seq_axes(self):
+        """What the sequence axis is sharded over: one axis name, a (head, ring) pair, or None."""
+        if self.head_axis is not None and self.ring_axis is not None:
+            return (self.head_axis, self.ring_axis)
+        return self.head_axis if self.head_axis is not None else self.ring_axis
+
+    @property
+    def num_shards(self) -> int:
+        return self.head_size * self.ring_size
+
+    def problem(self, base: registry.Problem) -> registry.Problem:
+        """The per-device problem the implementation runs, from the caller's local shapes.
+
+        `base` has the local (sequence-sharded) shapes; its axis fields are replaced.
+        """
+        ring = dict(axis_name=self.ring_axis, axis_size=self.ring_size)
+        if self.head_axis is None:
+            opts = dataclasses.replace(base.opts, **ring, gather_kv=self.name == "all_gather", subshards=1)
+            return dataclasses.replace(base, opts=opts)
+        n = self.head_size
+        if base.heads % n:
+            raise ValueError(
+                f"strategy={self.name!r} needs the query heads ({base.heads} per device) divisible by the size of "
+                f"axis {self.head_axis!r} ({n}); use strategy='ring' or 'all_gather', or a smaller head axis"
+            )
+        opts = dataclasses.replace(base.opts, **ring, gather_kv=False, subshards=n)
+        return dataclasses.replace(base, opts=opts, seq=base.seq * n, heads=base.heads // n,
+                                   kv_heads=_kv_heads_after_repeat(base.kv_heads, n) // n)
+
+    def describe(self) -> str:
+        if self.name == "hybrid":
+            return (f"hybrid (ulysses over {self.head_axis!r} of {self.head_size}, "
+                    f"ring over {self.ring_axis!r} of {self.ring_size})")
+        axis = self.seq_axes
+        return self.name if axis is None else f"{self.name} over {axis!r} of {self.num_shards}"
+
+
+def _kv_heads_after_repeat(kv_heads: int, n: int) -> int:
+    """KV heads after repeating each so that n devices can each take a whole number of them."""
+    return math.lcm(kv_heads, n)
+
+
+def check_strategy(strategy, axis_name) -> None:
+    """ValueError/TypeError for a strategy name or an axis_name it cannot take."""
+    if not isinstance(strategy, str) or strategy not in CHOICES:
+        raise ValueError(f"strategy must be one of {CHOICES}, got {strategy!r}")
+    pair = isinstance(axis_name, (tuple, list))
+    if strategy == "hybrid" or (strategy == "auto" and pair):
+        if not pair or len(axis_name) != 2 or not all(isinstance(a, str) for a in axis_name):
+            raise TypeError(
+                f"strategy={strategy!r} with a pair of axes takes axis_name=(head_axis, ring_axis): two mesh axis "
+                "names, the sequence sharded over both with the head axis major, e.g. P(None, ('hp', 'sp')); got "
+                f"{axis_name!r}" + (" (strategy='hybrid' always needs the pair)" if strategy == "hybrid" else "")
+            )
+        if axis_name[0] == axis_name[1]:
+            raise ValueError(f"strategy={strategy!r} needs two different axes, got axis_name={tuple(axis_name)!r}")
+    elif pair:
+        raise TypeError(
+            f"axis_name {tuple(axis_name)!r} is a pair of axes: only strategy='hybrid' (or 'auto') takes one "
+            f"(got strategy={strategy!r}); the other strategies take one axis name"
+        )
+
+
+def bind(name: str, axis_name, sizes: dict[str, int]) -> Strategy:
+    """A concrete strategy (not "auto") on the given axes; `sizes` maps axis names to their sizes."""
+    if name == "hybrid":
+        head, ring = axis_name
+        return Strategy("hybrid", head, sizes[head], ring, sizes[ring])
+    if axis_name is None:
+        return Strategy(name)
+    if name == "ulysses":
+        return Strategy("ulysses", head_axis=axis_name, head_size=sizes[axis_name])
+    return Strategy(name, ring_axis=axis_name, ring_size=sizes[axis_name])
+
+
+def _head_slice(x, axis: str, first, count: int):
+    """Rows [first, first + count) of a per-head parameter replicated over `axis`.
+
+    It is cast to vary over `axis` first, so that its gradient is summed over the devices.
+    """
+    if x is None:
+        return None
+    return lax.dynamic_slice_in_dim(_compat.to_varying(x, axis), first, count)
+
+
+def run_per_device(strategy: Strategy, impl, problem: registry.Problem, config, q, k, v, seg, sinks, extras):
+    """(out, lse) of one device's shards under `strategy`; `problem` is `strategy.problem(...)`.
+
+    Ulysses and hybrid: when the KV heads do not divide over the head axis, each KV head is
+    repeated (lcm(kv_heads, axis size) / kv_heads times) before the all-to-all, so K/V traffic
+    and memory grow by that factor; gradients of the copies are summed.
+    """
+    if strategy.head_axis is None:
+        return registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
+    axis, n = strategy.head_axis, strategy.head_size
+    heads, local = q.shape[2], problem.heads
+    repeats = problem.kv_heads * n // k.shape[2]
+    if repeats > 1:
+        k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
+    # split the heads over the axis, concatenate the sequence shards in device order (layout order)
+    q, k, v = (lax.all_to_all(x, axis, 2, 1, tiled=True) for x in (q, k, v))
+    if seg is not None:
+        seg = lax.all_gather(seg, axis, axis=1, tiled=True)
+    first = lax.axis_index(axis) * local
+    sinks = _head_slice(sinks, axis, first, local)
+    head_slice = None
+    if extras.dropout_seed is not None:  # the ring's dropout mask: hashed with the global head index
+        head_slice = jnp.stack([first, jnp.int32(heads)]).astype(jnp.int32)
+    extras = extras._replace(alibi_slopes=_head_slice(extras.alibi_slopes, axis, first, local), head_slice=head_slice)
+    out, lse = registry.run_per_device(impl, problem, config, q, k, v, seg, sinks, extras)
+    out = lax.all_to_all(out, axis, 1, 2, tiled=True)
+    lse = lax.all_to_all(lse, axis, 2, 1, tiled=True)
+    return out, lse
+
+
+def decide(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
+           op: str = "ring_attention", chip: plan.Chip | None = None) -> tuple[Strategy, str]:
+    """(strategy, reason) from the cost model alone: its fastest strategy that fits in memory and that
+    `implementation` runs. `chip` defaults to the CHIPS entry of this platform's device kind."""
+    strategy, reason, _ = _decide(base, axis_name, sizes, implementation, op, chip)
+    return strategy, reason
+
+
+def _decide(base, axis_name, sizes, implementation, op, chip):
+    """(model's choice, reason, the strategies worth measuring)."""
+    if axis_name is None:
+        return Strategy("ring"), "axis_name=None: one device, nothing to distribute", []
+    if isinstance(axis_name, tuple):
+        hybrid = bind("hybrid", axis_name, sizes)
+        return hybrid, "axis_name is a pair of axes: hybrid is the strategy over two", []
+    n = sizes[axis_name]
+    ring = bind("ring", axis_name, sizes)
+    if n == 1:
+        return ring, f"axis {axis_name!r} has one device", []
+    runnable, refused = [], []
+    for name in ("ring", "all_gather", "ulysses"):
+        why = _refusal(bind(name, axis_name, sizes), base, implementation, op)
+        if why is None:
+            runnable.append(bind(name, axis_name, sizes))
+        else:
+            refused.append(f"{name}: {why}")
+    if reach(base.opts) is not None:
+        return ring, ("the mask bounds how far a query sees (sliding_window or chunk_size): the ring skips the "
+                      "shards out of reach, which the cost model does not price"), runnable
+    if chip is None:
+        kind = registry.current_device_kind(base.platform)
+        chip = plan.chip_for(kind)
+        if chip is None:
+            return ring, (f"no cost figures for device kind {kind!r} (ringjax.strategies.plan.CHIPS): the default, "
+                          "ring"), runnable
+    if base.dtype not in ("bfloat16", "float16") or (base.dtype == "float16" and chip.kind == "tpu"):
+        return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring", runnable
+    costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads, kv_heads=base.kv_heads,
+                                head_dim=base.head_dim, dtype=base.dtype, causal=base.opts.causal,
+                                layout=base.opts.layout, batch=base.batch)
+    names = {s.name for s in runnable}
+    for cost in costs:
+        if not (cost.fits and math.isfinite(cost.total_s)) and cost.strategy in names:
+            refused.append(f"{cost.strategy}: {cost.note}")
+            names.discard(cost.strategy)
+    runnable = [s for s in runnable if s.name in names]
+    ok = [c for c in costs if c.strategy in names]
+    if not ok:
+        return ring, "no strategy can run: " + "; ".join(refused), []
+    best = plan.best_strategy(ok)
+    others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
+                       if c is not best and math.isfinite(c.total_s))
+    tie = min(ok, key=lambda c: c.total_s) is not best
+    reason = (f"cost model on {n} x {chip.name}: {best.total_s * 1e3:.3g} ms forward + backward"
+              + (f" against {others}" if others else "")
+              + (f" (within {plan.TIE_TOLERANCE:.0%}: the ring is kept)" if tie else "")
+              + (f"; ruled out: {'; '.join(refused)}" if refused else ""))
+    return bind(best.strategy, axis_name, sizes), reason, runnable
+
+
+def _refusal(strategy: Strategy, base: registry.Problem, implementation: str, op: str) -> str | None:
+    try:
+        registry.choose(op, implementation, strategy.problem(base))
+    except ValueError as e:
+        return " ".join(str(e).split())
+    return None
