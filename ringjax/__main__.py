@@ -53,7 +53,11 @@ def _load_file(path: Path):
 
 def _cmd_implementations(args) -> int:
     from ringjax import list_implementations
+    from ringjax.dispatch import registry
 
+    if args.markdown:  # the README's coverage table
+        print(registry.feature_table(args.op))
+        return 0
     rows = [(impl["name"], str(impl["priority"]), ",".join(impl["platforms"]),
              "runs here" if impl["runs_here"] else "not on this platform")
             for impl in list_implementations(args.op)]
@@ -61,6 +65,8 @@ def _cmd_implementations(args) -> int:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
+    print()
+    print(registry.feature_table(args.op))
     return 0
 
 
@@ -259,8 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ringjax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("implementations", help="registered implementations and whether they run here")
+    p = sub.add_parser("implementations", help="registered implementations, whether they run here, what each supports")
     p.add_argument("--op", default="ring_attention")
+    p.add_argument("--markdown", action="store_true", help="only the feature table, as the README shows it")
     p.set_defaults(run=_cmd_implementations)
 
     cache_p = sub.add_parser("cache", help="inspect and manage the persistent config cache")

@@ -130,7 +130,7 @@ def _set_fields(opts: AttentionOptions) -> list[str]:
     return out
 
 
-_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_DTYPE_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def markdown_table(columns: list[tuple[str, Support]]) -> str:

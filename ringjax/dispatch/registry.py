@@ -161,3 +161,11 @@ def list_implementations(op: str = "ring_attention") -> list[dict[str, Any]]:
     ]
 
 
+
+
+def feature_table(op: str = "ring_attention") -> str:
+    """The coverage table (markdown) of every implementation "auto" may pick, from their `Support`."""
+    from ringjax.core.features import markdown_table
+
+    regs = sorted((r for r in registrations(op) if r.auto and r.support is not None), key=lambda r: r.priority)
+    return markdown_table([(r.name, r.support) for r in regs])

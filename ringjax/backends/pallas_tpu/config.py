@@ -99,13 +99,8 @@ def fit(config: TpuConfig, groups: int, head_dim: int, dtype: str, budget: int =
 
 
 def refusal(problem) -> str | None:
-    """Why the TPU kernels cannot run this per-device problem (a registry.Problem), or None."""
+    """Why the TPU kernels cannot run this per-device problem beyond the feature table, or None."""
     dtype, head_dim, seq = problem.dtype, problem.head_dim, problem.seq
-    from ringjax.backends.pallas_tpu import SUPPORT
-
-    why = SUPPORT.refusal("pallas_tpu", problem)
-    if why:
-        return why
     align = sublanes(dtype)
     if seq % align:
         return f"local sequence length {seq} must be a multiple of {align} for {dtype} (TPU sublane tiling)"

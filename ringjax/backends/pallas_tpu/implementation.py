@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ringjax.backends.pallas_tpu import SUPPORT
 from ringjax.backends.pallas_tpu.config import VMEM_BUDGET, TpuConfig, block_size, fit, refusal, sublanes, vmem_bytes
 from ringjax.backends.pallas_tpu.kernels import block_bwd, block_fwd
 from ringjax.core.problem import Problem, check_interpret
@@ -43,7 +44,7 @@ class TpuImplementation:
     interpret: bool = False  # the CPU-interpreter registration
 
     def supports(self, problem: Problem) -> str | None:
-        return refusal(problem)
+        return SUPPORT.refusal(self.name, problem) or refusal(problem)
 
     def default_config(self, problem: Problem) -> TpuConfig:
         # about 1024 query rows (all heads of one KV head) per tile keeps the score tile in VMEM
