@@ -272,6 +272,8 @@ def test_cli_list_clear_and_implementations_tell_the_truth(cache_dir, capsys):
     assert cache.lookup("ring_attention", "xla", _problem())[0] == "persistent"
     capsys.readouterr()
     assert cli(["implementations"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    listing, _, table = capsys.readouterr().out.partition("\n\n")
+    lines = listing.splitlines()
+    assert table.startswith("| argument | meaning |")  # then the feature table
     columns = {line.index(line.split()[1]) for line in lines}  # the priority column starts at one offset
     assert len(lines) >= 4 and len(columns) == 1
