@@ -194,18 +194,15 @@ def _cmd_tune(args) -> int:
     import jax
 
     from ringjax.dispatch import autotuning, registry
+    from ringjax.options import TUNABLE
 
     settings = autotuning.TuneSettings(
         warmup=args.warmup, repeats=args.repeats, backward=not args.forward_only, progress=not args.no_progress,
     )
-    window = None
-    if args.window is not None:
-        window = args.window[0] if len(args.window) == 1 else tuple(args.window)
     result = autotuning.tune_shapes(
         batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        dtype=args.dtype, axis_size=args.axis_size, causal=args.causal, sliding_window=window,
-        segments=args.segments, logits_soft_cap=args.softcap, sinks=args.sinks, layout=args.layout,
-        implementation=args.implementation, settings=settings,
+        dtype=args.dtype, axis_size=args.axis_size, implementation=args.implementation, settings=settings,
+        **{name: getattr(args, name) for name in TUNABLE},
     )
     p = result.problem
     print(f"{result.implementation} on {p.device_kind} ({p.platform}), jax {jax.__version__}, "
@@ -252,6 +249,35 @@ def _cmd_strategy(args) -> int:
           f"another is over {plan.TIE_TOLERANCE:.0%} faster); a measurement through the autotuner "
           "(autotune='on') overrides the model")
     return 0
+
+
+class _OneOrTwo(argparse.Action):
+    """nargs="+" capped at two: one value as itself, two as a (left, right) tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) > 2:
+            parser.error(f"{option_string} takes W or LEFT RIGHT")
+        setattr(namespace, self.dest, values[0] if len(values) == 1 else tuple(values))
+
+
+# flags the tune command had before they were generated from ringjax.options.TUNABLE
+_OLD_FLAGS = {"sliding_window": ("--window",), "logits_soft_cap": ("--softcap",)}
+
+
+def _add_feature_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per entry of ringjax.options.TUNABLE, so every feature a call can ask for can be tuned."""
+    from ringjax.options import FEATURE, TUNABLE
+
+    for name, kw in TUNABLE.items():
+        flags = ("--" + name.replace("_", "-"), *_OLD_FLAGS.get(name, ()))
+        if kw.role != FEATURE:  # an array argument: whether the call has one
+            p.add_argument(*flags, dest=name, action="store_true", help=f"as if {kw.name} were given ({kw.help})")
+        elif kw.type is bool:
+            p.add_argument(*flags, dest=name, action="store_true", help=kw.help)
+        elif kw.pair:
+            p.add_argument(*flags, dest=name, type=kw.type, nargs="+", action=_OneOrTwo, metavar="N", help=kw.help)
+        else:
+            p.add_argument(*flags, dest=name, type=kw.type, default=kw.default, choices=kw.choices, help=kw.help)
 
 
 def _positive_int(text: str) -> int:
@@ -321,12 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=_positive_int, required=True)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--axis-size", type=_positive_int, default=1, help="ring size (devices on the sequence axis)")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--window", type=int, nargs="+", metavar="N", help="sliding window: W or LEFT RIGHT")
-    p.add_argument("--segments", action="store_true", help="packed documents (segment_ids)")
-    p.add_argument("--softcap", type=float, help="logits soft cap")
-    p.add_argument("--sinks", action="store_true", help="attention sinks")
-    p.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag", "striped"))
+    _add_feature_flags(p)
     p.add_argument("--implementation", default="auto")
     p.add_argument("--forward-only", action="store_true", help="time the forward pass only (inference)")
     p.add_argument("--repeats", type=_positive_int, default=5)
@@ -338,8 +359,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "window", None) is not None and len(args.window) > 2:
-        build_parser().error("--window takes W or LEFT RIGHT")
     try:
         return args.run(args)
     except (ValueError, TypeError) as e:

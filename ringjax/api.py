@@ -10,7 +10,7 @@ from ringjax import _compat
 from ringjax.core.masks import Extras
 from ringjax.dispatch import autotuning, calling, registry
 from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
-from ringjax.options import check_inputs, make_options
+from ringjax.options import check_inputs, checked_keywords, make_options, option_inputs
 from ringjax.strategies import auto as strategy_auto
 from ringjax.strategies import spread as strategies
 
@@ -19,6 +19,7 @@ OP = "ring_attention"
 _SHARD_SEED_STRIDE = (0x9E3779B9, 0x7F4A7C15)
 
 
+@checked_keywords
 def ring_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
@@ -64,7 +65,11 @@ def ring_attention(
     the heads), "hybrid" (ulysses over one axis, ring over another: axis_name=(head_axis,
     ring_axis), the sequence split over both, head axis major) or "auto" (the cost model of
     `ringjax.strategies.plan` decides; logged to "ringjax.strategy"). See docs/strategies.md.
+
+    The keywords are declared once in `ringjax.options.KEYWORDS`; one this signature lacks
+    (e.g. jax.nn.dot_product_attention's `is_causal`) raises a TypeError naming ours.
     """
+    arguments = dict(locals())  # first: the arguments by name, before any is rebound
     strategies.check_strategy(strategy, axis_name)
     call = calling.resolve(axis_name, mesh, allow_pair=strategy in ("hybrid", "auto"))
     if not isinstance(return_lse, bool):
@@ -73,22 +78,8 @@ def ring_attention(
         raise TypeError(f"implementation must be a str, got {type(implementation).__name__}")
     check_inputs(q, k, v, segment_ids, sinks, axis_size=call.axis_size, layout=layout, local=not call.is_global,
                  alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
-    opts = make_options(
-        q,
-        causal=causal,
-        sliding_window=sliding_window,
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        layout=layout,
-        axis_name=None,  # the strategy sets the axes each device's problem runs over
-        axis_size=call.axis_size,
-        has_segments=segment_ids is not None,
-        has_sinks=sinks is not None,
-        chunk_size=chunk_size,
-        has_alibi=alibi_slopes is not None,
-        dropout_rate=dropout_rate,
-        num_sink_tokens=num_sink_tokens,
-    )
+    # axis_name=None: the strategy sets the axes each device's problem runs over
+    opts = make_options(q, axis_name=None, axis_size=call.axis_size, **option_inputs(arguments))
     batch, seq, heads, head_dim = q.shape
     call = calling.with_spare_axes(call, q, batch=batch, kv_heads=k.shape[2])
     batch, seq, heads = call.local_shape(batch, seq, heads)

@@ -30,7 +30,7 @@ from ringjax.dispatch import calling
 from ringjax.dispatch.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention_many
-from ringjax.options import check_inputs, chunks_per_shard, make_options
+from ringjax.options import check_inputs, checked_keywords, chunks_per_shard, make_options, option_inputs
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -161,6 +161,7 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
     return out, lse
 
 
+@checked_keywords
 def dilated_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
@@ -181,7 +182,6 @@ def dilated_attention(
     implementation: str = "auto",
     config=None,
     autotune: str | None = None,
-    **unsupported,
 ):
     """LongNet dilated attention, exact over the ring; calling modes as `ring_attention`.
 
@@ -197,17 +197,17 @@ def dilated_attention(
     With `segment_ids`, ids must stay below 2**31 / ceil(seq / w) for every w.
     Returns out [batch, seq, heads, head_dim] in q's dtype and, with `return_lse`,
     lse [batch, heads, seq] float32.
+
+    The other keywords are those of `ring_attention` (`ringjax.options.KEYWORDS`, same defaults); the ones
+    not listed here (chunk_size, alibi_slopes, dropout, num_sink_tokens, strategy) raise a TypeError.
     """
-    if unsupported:
-        raise TypeError(f"dilated_attention does not support {sorted(unsupported)}")
+    arguments = dict(locals())  # first: the arguments by name, before any is rebound
     branches = _branches(segment_lengths, dilation_rates)
     call = calling.resolve(axis_name, mesh)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_inputs(q, k, v, segment_ids, sinks, axis_size=call.axis_size, layout=layout, local=not call.is_global)
-    opts = make_options(q, causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale,
-                        logits_soft_cap=logits_soft_cap, layout=layout, axis_name=axis_name,
-                        axis_size=call.axis_size, has_segments=segment_ids is not None, has_sinks=sinks is not None)
+    opts = make_options(q, axis_name=axis_name, axis_size=call.axis_size, **option_inputs(arguments))
     seq = q.shape[1]
     local_len = seq // call.axis_size if call.is_global else seq
     _check_layout(layout, branches, call.axis_size, local_len)

@@ -1,15 +1,23 @@
-"""The frozen options object every backend reads, and validation of user input.
+"""The frozen options object every backend reads, the keyword set that fills it, and validation of user input.
 
 User arguments are checked once here, at the public boundary, while the op is
-traced and before any device work; backends trust what they receive.
+traced and before any device work; backends trust what they receive. `KEYWORDS`
+declares the keyword arguments of `ring_attention` once: `make_options`, the
+other entry points, the layers' config, `tune_shapes` and `python -m ringjax tune`
+take theirs from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -184,49 +192,177 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
         raise ValueError("dropout_rng was given but dropout_rate is 0: pass dropout_rate > 0 or drop dropout_rng")
 
 
-def make_options(
-    q,
-    *,
-    causal,
-    sliding_window,
-    softmax_scale,
-    logits_soft_cap,
-    layout,
-    axis_name,
-    axis_size,
-    has_segments,
-    has_sinks,
-    chunk_size=None,
-    has_alibi=False,
-    dropout_rate=0.0,
-    num_sink_tokens=0,
-) -> AttentionOptions:
-    """Turn user keyword arguments into one AttentionOptions: types are converted here, values checked there."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(layout, str):
-        raise TypeError(f"layout must be a str, one of {LAYOUTS}, got {type(layout).__name__}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_scale = _static_number(softmax_scale, "softmax_scale", float)
-    if logits_soft_cap is not None:
-        logits_soft_cap = _static_number(logits_soft_cap, "logits_soft_cap", float)
-    if chunk_size is not None:
-        chunk_size = _static_number(chunk_size, "chunk_size", int)
-    dropout_rate = _static_number(dropout_rate, "dropout_rate", float)
-    num_sink_tokens = _static_number(num_sink_tokens, "num_sink_tokens", int)
-    return AttentionOptions(
-        causal=causal,
-        window=normalize_window(sliding_window, causal),
-        softmax_scale=softmax_scale,
-        logits_soft_cap=logits_soft_cap,
-        layout=layout,
-        axis_name=axis_name,
-        axis_size=axis_size,
-        has_segments=has_segments,
-        has_sinks=has_sinks,
-        chunk_size=chunk_size,
-        has_alibi=has_alibi,
-        dropout_rate=dropout_rate,
-        num_sink_tokens=num_sink_tokens,
-    )
+# ---------------------------------------------------------------------------- the keyword set, declared once
+
+FEATURE = "feature"  # a static value: sets an AttentionOptions field
+ARRAY = "array"  # a per-call array: its AttentionOptions field (if any) records whether it was given
+CALL = "call"  # how the call runs (axes, backend, outputs): not part of AttentionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Keyword:
+    """One keyword argument of `ring_attention`, shared by the other entry points, layers and tuner."""
+
+    name: str
+    default: Any
+    type: Any  # FEATURE: the Python type of its value (None allowed where the default is None)
+    help: str
+    role: str = FEATURE
+    field: str | None = None  # the AttentionOptions field it sets; FEATURE: default `name`
+    flag: str | None = None  # ARRAY: the bool that stands for it where there are no arrays (tune_shapes, CLI)
+    choices: tuple[str, ...] | None = None
+    pair: bool = False  # also takes a (left, right) pair of `type`
+
+    @property
+    def option_name(self) -> str | None:
+        """How `make_options` takes it: a feature by its name, an array by the field recording its presence."""
+        return self.name if self.role == FEATURE else self.field
+
+    def convert(self, value):
+        """`value` as this keyword's type for AttentionOptions: TypeError naming it, else unchecked values."""
+        if value is None and self.default is None:
+            return None
+        if self.pair:
+            return value  # normalize_window converts it, knowing causal
+        if self.type in (int, float):
+            return _static_number(value, self.name, self.type)
+        if not isinstance(value, self.type):
+            among = f", one of {self.choices}" if self.choices else ""
+            raise TypeError(f"{self.name} must be a {self.type.__name__}{among}, got {type(value).__name__}")
+        return value
+
+
+# In the order of ring_attention's signature; tests/test_options.py checks it, dilated_attention's and the layers'.
+KEYWORDS: tuple[Keyword, ...] = (
+    Keyword("axis_name", "sp", str, "mesh axis the sequence is sharded over; None: one device, no ring", CALL),
+    Keyword("causal", False, bool, "query i sees key j only if j <= i"),
+    Keyword("sliding_window", None, int, "W or LEFT RIGHT: i sees j iff i-LEFT <= j <= i+RIGHT (RIGHT is 0 if causal)",
+            field="window", pair=True),
+    Keyword("segment_ids", None, jax.Array, "packed documents: attend within equal ids; negative ids are padding",
+            ARRAY, field="has_segments", flag="segments"),
+    Keyword("softmax_scale", None, float, "logit scale (default 1/sqrt(head_dim))"),
+    Keyword("logits_soft_cap", None, float, "logits become cap * tanh(logits / cap)"),
+    Keyword("sinks", None, jax.Array, "learnable per-head logits that join every softmax denominator",
+            ARRAY, field="has_sinks", flag="sinks"),
+    Keyword("layout", "contiguous", str, "which global positions each shard holds", choices=LAYOUTS),
+    Keyword("chunk_size", None, int, "chunked attention: i sees j only within the same chunk of this many tokens"),
+    Keyword("alibi_slopes", None, jax.Array, "ALiBi: logits get -slope[h] * |i - j|",
+            ARRAY, field="has_alibi", flag="alibi"),
+    Keyword("dropout_rate", 0.0, float, "dropout on the attention probabilities (with dropout_rng)"),
+    Keyword("dropout_rng", None, jax.Array, "the jax.random key of the dropout mask (follows dropout_rate)", ARRAY),
+    Keyword("num_sink_tokens", 0, int, "every query also sees the first this many tokens of its segment"),
+    Keyword("return_lse", False, bool, "also return lse [batch, heads, seq] float32", CALL),
+    Keyword("mesh", None, object, "the mesh of global arrays (default: the one set by jax.set_mesh)", CALL),
+    Keyword("implementation", "auto", str, "'auto' or a registered implementation", CALL),
+    Keyword("config", None, object, "that implementation's config, fixed", CALL),
+    Keyword("autotune", None, str, "'off' | 'cached' | 'on' (default $RINGJAX_AUTOTUNE or 'cached')", CALL),
+    Keyword("strategy", "ring", str, "ring | all_gather | ulysses | hybrid | auto", CALL),
+)
+KEYWORDS_BY_NAME = {kw.name: kw for kw in KEYWORDS}
+# what make_options takes; the arrays by the field recording their presence (has_segments, ...)
+OPTION_INPUTS = {name: kw for kw in KEYWORDS if (name := kw.option_name) is not None}
+# what describes a problem without its arrays (tune_shapes, `python -m ringjax tune`): the static
+# features, and a bool per array that changes the kernel (dropout's key follows dropout_rate)
+TUNABLE = {kw.flag or kw.name: kw for kw in OPTION_INPUTS.values()}
+
+
+def option_inputs(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """make_options' keywords from an entry point's arguments by name: features as given, arrays as their presence.
+
+    Names that are not features or arrays of KEYWORDS (calling keywords, an entry point's own) are skipped.
+    """
+    return {name: arguments[kw.name] if kw.role == FEATURE else arguments[kw.name] is not None
+            for name, kw in OPTION_INPUTS.items() if kw.name in arguments}
+
+
+def make_options(q, *, axis_name, axis_size, **keywords) -> AttentionOptions:
+    """AttentionOptions from the feature keywords of KEYWORDS by name (absent ones take their default) and, for
+    the arrays, whether they are given (has_segments=..., see `option_inputs`). `q` (the query, or its head_dim)
+    gives the default softmax_scale. Types are converted here, values checked by AttentionOptions."""
+    unknown = sorted(set(keywords) - set(OPTION_INPUTS))
+    if unknown:
+        raise TypeError(f"make_options got unknown keyword(s) {unknown}; it takes {sorted(OPTION_INPUTS)}")
+    values = {}
+    for name, kw in OPTION_INPUTS.items():
+        if kw.role == FEATURE:
+            values[kw.field or name] = kw.convert(keywords.get(name, kw.default))
+        elif isinstance(present := keywords.get(name, False), bool):  # an array: whether it is given
+            values[name] = present
+        else:
+            raise TypeError(f"{name} must be a bool, got {type(present).__name__}")
+    if values["softmax_scale"] is None:
+        values["softmax_scale"] = 1.0 / math.sqrt(q.shape[-1] if hasattr(q, "shape") else q)
+    values["window"] = normalize_window(values["window"], values["causal"])
+    return AttentionOptions(axis_name=axis_name, axis_size=axis_size, **values)
+
+
+# ---------------------------------------------------------------------------- keywords of other APIs
+
+# Names other attention APIs use, by source, and what to pass to ringjax instead (check_keywords says so).
+_DENSE = "a dense [seq, seq] array is not supported (it would not stay sharded with the sequence); "
+_LENGTHS = "use segment_ids: give padding tokens a negative id (they see nothing and nothing sees them)"
+FOREIGN_KEYWORDS: dict[str, tuple[str, str]] = {
+    "is_causal": ("jax.nn.dot_product_attention", "use causal=True"),
+    "scale": ("jax.nn.dot_product_attention", "use softmax_scale= (default 1/sqrt(head_dim), as in jax.nn)"),
+    "local_window_size": ("jax.nn.dot_product_attention",
+                          "use sliding_window=(left, right) (an int w is (w, w); with causal=True right is 0)"),
+    "bias": ("jax.nn.dot_product_attention",
+             _DENSE + "biases computed blockwise are alibi_slopes (ALiBi), segment_ids (packed documents), "
+             "sliding_window, chunk_size (chunked attention) and logits_soft_cap"),
+    "mask": ("jax.nn.dot_product_attention",
+             _DENSE + "use segment_ids (attend within equal ids; negative ids are padding), causal or sliding_window"),
+    "query_seq_lengths": ("jax.nn.dot_product_attention", _LENGTHS),
+    "key_value_seq_lengths": ("jax.nn.dot_product_attention", _LENGTHS),
+    "return_residual": ("jax.nn.dot_product_attention", "use return_lse=True (lse [batch, heads, seq] float32)"),
+    "dropout_p": ("flash-attn", "use dropout_rate with dropout_rng (a jax.random key)"),
+    "softcap": ("flash-attn", "use logits_soft_cap"),
+    "window_size": ("flash-attn", "use sliding_window=(left, right); flash-attn's (-1, -1) is sliding_window=None"),
+    "return_attn_probs": ("flash-attn", "use return_lse=True (probabilities are never materialised)"),
+}
+
+
+def check_keywords(fn: str, given: Iterable[str], accepted: Collection[str],
+                   hints: Mapping[str, str] | None = None) -> None:
+    """TypeError for the keywords in `given` that `fn` does not accept, saying what to pass instead.
+
+    A keyword of KEYWORDS that `fn` lacks is unsupported there; one of FOREIGN_KEYWORDS (or `hints`) gets its
+    advice; anything else its closest accepted spelling. Checked before any array is looked at.
+    """
+    unknown = [name for name in given if name not in accepted]
+    if not unknown:
+        return
+    unsupported = sorted(name for name in unknown if name in KEYWORDS_BY_NAME and name not in (hints or {}))
+    reasons = [f"{fn} does not support {unsupported}"] if unsupported else []
+    for name in unknown:
+        if name in unsupported:
+            continue
+        if hints and name in hints:
+            advice = hints[name]
+        elif name in FOREIGN_KEYWORDS:
+            source, advice = FOREIGN_KEYWORDS[name]
+            advice = f"that is {source}'s keyword; {advice}"
+        else:
+            close = difflib.get_close_matches(name, list(accepted), n=1)
+            advice = f"did you mean {close[0]!r}?" if close else f"it takes {sorted(accepted)}"
+        reasons.append(f"{fn}() got an unexpected keyword argument {name!r}: {advice}")
+    raise TypeError("; ".join(reasons))
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def checked_keywords(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: a keyword `fn`'s signature lacks raises `check_keywords`' TypeError, not Python's bare one.
+
+    The signature stays `fn`'s own, for users, IDEs and type checkers.
+    """
+    accepted = frozenset(name for name, p in inspect.signature(fn).parameters.items()
+                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+    @functools.wraps(fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        check_keywords(fn.__name__, kwargs, accepted)
+        return fn(*args, **kwargs)
+
+    return checked

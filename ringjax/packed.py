@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int
 from ringjax.api import ring_attention
 from ringjax.dispatch import calling
 from ringjax.layouts import local_positions
-from ringjax.options import chunks_per_shard, sequence_chunks
+from ringjax.options import KEYWORDS_BY_NAME, check_keywords, chunks_per_shard, sequence_chunks
 
 
 def _check_packed(x, name: str, parts: int, shape_text: str) -> None:
@@ -30,6 +30,7 @@ def ring_attention_qkvpacked(qkv: Float[Array, "batch seq 3 heads head_dim"], **
     Takes every keyword argument of `ring_attention`; gradients flow to `qkv`.
     Grouped-query attention needs separate K/V heads: use `ring_attention_kvpacked`.
     """
+    check_keywords("ring_attention_qkvpacked", kwargs, KEYWORDS_BY_NAME)
     _check_packed(qkv, "qkv", 3, "[batch, seq, 3, heads, head_dim]")
     return ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], **kwargs)
 
@@ -40,6 +41,7 @@ def ring_attention_kvpacked(
     **kwargs,
 ):
     """`ring_attention(q, kv[:, :, 0], kv[:, :, 1], **kwargs)`; gradients flow to `kv`."""
+    check_keywords("ring_attention_kvpacked", kwargs, KEYWORDS_BY_NAME)
     _check_packed(kv, "kv", 2, "[batch, seq, 2, kv_heads, head_dim]")
     return ring_attention(q, kv[:, :, 0], kv[:, :, 1], **kwargs)
 
@@ -99,8 +101,8 @@ def ring_attention_varlen(
     lse [heads, total_tokens]. cu_seqlens values are checked (start 0, non-decreasing,
     within the tokens) only when concrete; under jit they are trusted.
     """
-    if "segment_ids" in kwargs:
-        raise TypeError("ring_attention_varlen derives segment_ids from cu_seqlens; do not pass segment_ids")
+    check_keywords("ring_attention_varlen", kwargs, KEYWORDS_BY_NAME.keys() - {"segment_ids"},
+                   hints={"segment_ids": "it derives segment_ids from cu_seqlens"})
     _check_varlen(q, k, v, cu_seqlens)
     axis_name = kwargs.get("axis_name", "sp")
     layout = kwargs.get("layout", "contiguous")

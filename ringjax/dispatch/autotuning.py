@@ -25,7 +25,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from ringjax.dispatch import cache, registry
@@ -463,21 +463,23 @@ def tune_shapes(
     head_dim: int,
     dtype: str = "bfloat16",
     axis_size: int = 1,
-    causal: bool = False,
-    sliding_window: int | Sequence[int] | None = None,
-    segments: bool = False,
-    logits_soft_cap: float | None = None,
-    sinks: bool = False,
-    layout: str = "contiguous",
     implementation: str = "auto",
     op: str = "ring_attention",
     settings: TuneSettings | None = None,
+    **features,
 ) -> TuneResult:
-    """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways)."""
+    """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways).
+
+    `features` are those of `ringjax.options.TUNABLE`: the static feature keywords of `ring_attention`
+    (causal, sliding_window, chunk_size, dropout_rate, num_sink_tokens, ...) and, for its arrays, bools
+    (segments, sinks, alibi); the dropout key follows dropout_rate.
+    """
     import jax.numpy as jnp
 
-    from ringjax.options import make_options, sequence_chunks
+    from ringjax.options import TUNABLE, check_keywords, make_options, sequence_chunks
 
+    arrays = {kw.name: f"it takes no arrays; pass {flag}=True" for flag, kw in TUNABLE.items() if flag != kw.name}
+    check_keywords("tune_shapes", features, TUNABLE, hints=arrays)
     kv_heads = heads if kv_heads is None else kv_heads
     for name, value in (("batch", batch), ("seq", seq), ("heads", heads), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("axis_size", axis_size)):
@@ -485,22 +487,12 @@ def tune_shapes(
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    chunks = sequence_chunks(layout, axis_size)
+    opts = make_options(head_dim, axis_name="sp" if axis_size > 1 else None, axis_size=axis_size,
+                        **{TUNABLE[name].option_name: value for name, value in features.items()})
+    chunks = sequence_chunks(opts.layout, axis_size)
     if seq % chunks:
-        raise ValueError(f"seq ({seq}) must be divisible by {chunks} for axis_size {axis_size} and layout {layout!r}")
-    stand_in = jnp.zeros((1, 1, 1, head_dim), dtype)  # only shape and dtype are read
-    opts = make_options(
-        stand_in,
-        causal=causal,
-        sliding_window=sliding_window,
-        softmax_scale=None,
-        logits_soft_cap=logits_soft_cap,
-        layout=layout,
-        axis_name="sp" if axis_size > 1 else None,
-        axis_size=axis_size,
-        has_segments=segments,
-        has_sinks=sinks,
-    )
+        raise ValueError(f"seq ({seq}) must be divisible by {chunks} for axis_size {axis_size} and layout "
+                         f"{opts.layout!r}")
     problem = registry.Problem(
         opts=opts,
         batch=batch,

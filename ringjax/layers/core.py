@@ -8,6 +8,7 @@ function and differ only in how they store weights.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import numpy as np
 
 from ringjax.api import ring_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
-from ringjax.options import AttentionOptions, _static_number, normalize_window
+from ringjax.options import KEYWORDS_BY_NAME, _static_number, make_options, option_inputs
 from ringjax.strategies.spread import check_strategy
 
 
@@ -24,7 +25,9 @@ class AttentionLayerConfig:
     """Static description of a multi-head (GQA) attention layer.
 
     Shapes: x [batch, seq, in_features] -> [batch, seq, out_features], with
-    `num_heads` query heads sharing `num_kv_heads` key/value heads.
+    `num_heads` query heads sharing `num_kv_heads` key/value heads. The fields named as
+    `ring_attention` keywords (causal, sliding_window, ...) are those keywords, with the same
+    defaults (tests/test_options.py), and are checked by the same declaration.
     """
 
     in_features: int
@@ -58,16 +61,11 @@ class AttentionLayerConfig:
             raise ValueError(
                 f"in_features ({self.in_features}) is not divisible by num_heads ({self.num_heads}); pass head_dim"
             )
-        if not isinstance(self.causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(self.causal).__name__}")
         if not isinstance(self.use_sinks, bool):
             raise TypeError(f"use_sinks must be a bool, got {type(self.use_sinks).__name__}")
-        # the attention options are checked by the one object that checks them for ring_attention
-        number = lambda name: None if getattr(self, name) is None else _static_number(getattr(self, name), name, float)
-        AttentionOptions(causal=self.causal, window=normalize_window(self.sliding_window, self.causal),
-                         softmax_scale=1.0 if self.softmax_scale is None else number("softmax_scale"),
-                         logits_soft_cap=number("logits_soft_cap"),
-                         layout=self.layout)
+        # the ring_attention keywords among the fields are checked as ring_attention checks them
+        make_options(self.dim, axis_name=None, axis_size=1, has_sinks=self.use_sinks,
+                     **option_inputs(self.ring_keywords()))
         if self.rope_base is not None:
             if not (_static_number(self.rope_base, "rope_base", float) > 0):
                 raise ValueError(f"rope_base must be positive or None, got {self.rope_base!r}")
@@ -79,6 +77,10 @@ class AttentionLayerConfig:
         check_strategy(self.strategy, self.axis_name)
         if not isinstance(self.implementation, str):
             raise TypeError(f"implementation must be a str, got {type(self.implementation).__name__}")
+
+    def ring_keywords(self) -> dict[str, Any]:
+        """The fields that are `ring_attention` keywords, by name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in KEYWORDS_BY_NAME}
 
     @property
     def kv_heads(self) -> int:
@@ -178,17 +180,5 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         k = apply_rotary(k, positions, base=cfg.rope_base)
     elif positions is not None:
         raise ValueError("positions is only used by rotary embeddings, which this layer has off (rope_base=None)")
-    out = ring_attention(
-        q, k, v,
-        axis_name=cfg.axis_name,
-        causal=cfg.causal,
-        sliding_window=cfg.sliding_window,
-        segment_ids=segment_ids,
-        softmax_scale=cfg.softmax_scale,
-        logits_soft_cap=cfg.logits_soft_cap,
-        sinks=params.get("sinks"),
-        layout=cfg.layout,
-        implementation=cfg.implementation,
-        strategy=cfg.strategy,
-    )
+    out = ring_attention(q, k, v, segment_ids=segment_ids, sinks=params.get("sinks"), **cfg.ring_keywords())
     return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype))
