@@ -1,10 +1,10 @@
-"""The benchmark scripts: each compiles, and the strategies benchmark runs end to end on CPU at tiny sizes."""
+"""benchmarks/bench.py: every suite runs on CPU at --tiny sizes and records sane rows; `report` renders them."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
-import py_compile
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,25 +12,165 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+BENCH = ROOT / "benchmarks" / "bench.py"
+SUITES = ("step", "ring", "strategies", "coverage", "million")
+DEVICES = 4
+BF16_ERR = 2e-2  # bf16 outputs against a float32 or another bf16 computation of the same attention
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
-def test_script_compiles(script, tmp_path):
-    py_compile.compile(str(script), cfile=str(tmp_path / "out.pyc"), doraise=True)
+def _bench_module():
+    """benchmarks/bench.py imported (it imports common.py beside it)."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench", BENCH)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench"] = module  # dataclasses look their module up while the class is made
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return module
 
 
-def test_strategies_benchmark_runs_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
-    child = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_strategies.py"), "--tokens", "64", "--kv-heads", "8",
-         "--reps", "1", "--modes", "fwd", "--out", str(tmp_path), "--tag", "smoke"],
-        capture_output=True, text=True, timeout=600, env=env)
+@pytest.fixture(scope="module")
+def bench():
+    return _bench_module()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every suite run once with --tiny on 4 simulated CPU devices, side by side: (out dir, {suite: (rc, log)})."""
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", RINGJAX_CACHE_DIR=str(out / "cache"))
+    procs = {}
+    for suite in SUITES:
+        log = (out / f"{suite}.log").open("w")
+        procs[suite] = (subprocess.Popen([sys.executable, str(BENCH), suite, "--tiny", "--out", str(out),
+                                          "--tag", "test"], stdout=log, stderr=subprocess.STDOUT, env=env), log)
+    runs = {}
+    for suite, (proc, log) in procs.items():
+        rc = proc.wait(timeout=300)
+        log.close()
+        runs[suite] = (rc, (out / f"{suite}.log").read_text())
+    return out, runs
+
+
+def rows_of(out: Path, suite: str) -> list[dict]:
+    (path,) = out.glob(f"*_{suite}.jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_step(rows):
+    ours = [r for r in rows if r["case"]["library"] == "ringjax"]
+    assert sorted(r["case"]["causal"] for r in ours) == [False, True]
+    for r in ours:
+        assert r["implementation"] == "xla" and r["reference"] == "xla float32"
+        assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0 and "bwd_ms" in r
+        assert r["rel_err"] < BF16_ERR
+    for r in rows:
+        if r["case"]["library"] != "ringjax":  # cuDNN and tokamax need a GPU: skipped, with the reason
+            assert "GPU" in r["skipped"] or "not importable" in r["skipped"]
+
+
+def check_ring(rows):
+    assert [r["case"]["tokens_per_device"] for r in rows] == [64, 128]
+    for r in rows:
+        tp, c = r["case"]["tokens_per_device"], r["case"]
+        assert r["ring"]["fwd_tflops"] > 0 and r["one_device"]["fwd_bwd_tflops"] > 0
+        assert r["ring_over_one_device"]["fwd"] > 0 and r["ring_over_cudnn"]["fwd"] is None
+        assert r["kv_bytes_per_step"] == 2 * c["batch"] * tp * c["kv_heads"] * c["head_dim"] * 2
+        assert r["rel_err"] < BF16_ERR  # the ring's output, back in token order, against one device's
+        assert "skipped" in r["cudnn"]
+
+
+def check_strategies(rows):
+    by = {r["case"]["strategy"]: r for r in rows}
+    assert set(by) == {"ring", "all_gather", "ulysses", "hybrid", "auto"}
+    for r in rows:
+        assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0
+        assert r["rel_err_vs_ring"] < 1e-2  # every strategy computes the ring's attention
+    assert by["auto"]["chosen"] in by and "chose" in by["auto"]["reason"]
+
+
+def check_coverage(rows):
+    features = [r["case"]["feature"] for r in rows]
+    assert features == ["plain", "head_dim=16", "head_dim=64", "float32", "alibi", "dropout", "sink_tokens",
+                        "chunked", "segments", "soft_cap", "window", "learnable_sinks"]
+    for r in rows:
+        assert r["implementation"] == "xla" and r["finite"]
+        assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0 and r["vs_plain"]["fwd"] > 0
+        assert "skipped" in r["cudnn"]
+
+
+def check_million(rows):
+    (r,) = rows
+    assert r["case"]["tokens"] == 2048 and r["case"]["devices"] == DEVICES
+    assert r["seconds"] > 0 and r["tflops_per_device"] > 0
+    assert r["rel_err"] < BF16_ERR
+    assert r["peak_gib_per_device"] is None and "memory_stats" in r["memory_note"]  # CPU reports no peak
+
+
+CHECKS = {"step": check_step, "ring": check_ring, "strategies": check_strategies, "coverage": check_coverage,
+          "million": check_million}
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_suite_runs_on_cpu(results, suite):
+    out, runs = results
+    rc, log = runs[suite]
+    assert rc == 0, log[-3000:]
+    rows = rows_of(out, suite)
+    assert rows, log[-3000:]
+    for r in rows:
+        assert "error" not in r, r["error"]
+        assert r["suite"] == suite and r["device_kind"] and r["platform"] == "cpu" and r["jax"] and r["ringjax"]
+        assert r["time"].endswith("+00:00") and r["tag"] == "test" and r["options"]["tiny"]
+        assert "bench.py" in r["command"] and suite in r["command"]
+        expected = 1 if suite in ("step", "coverage") else DEVICES
+        assert r["device_count"] == expected
+    CHECKS[suite](rows)
+    assert "|---|" in log  # the run ends with its markdown table
+
+
+def test_report_writes_readme_tables_and_plots(results, tmp_path):
+    out, runs = results
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\n<!-- bench:step:begin -->\nstale\n<!-- bench:step:end -->\n\n"
+                      "<!-- bench:ring:begin -->\n<!-- bench:ring:end -->\ntail\n")
+    child = subprocess.run([sys.executable, str(BENCH), "report", "--out", str(out), "--write-readme",
+                            "--readme", str(readme)], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0, child.stderr[-3000:]
-    errors = {m[0]: float(m[1]) for m in re.findall(r"strategy=(\w+) mode=fwd .*rel_err_vs_ring=([\d.e-]+)",
-                                                     child.stdout)}
-    assert set(errors) == {"ring", "all_gather", "ulysses", "hybrid"}, child.stdout[-3000:]
-    assert max(errors.values()) < 1e-2  # bf16: every strategy computes the ring's attention
-    assert "| 64 | 32/8 | ring |" in child.stdout
-    assert (tmp_path / "strategies_smoke.json").stat().st_size > 0
+    text = readme.read_text()
+    assert "stale" not in text and text.startswith("# title\n") and text.endswith("<!-- bench:ring:end -->\ntail\n")
+    assert "| T | causal | library |" in text and "| devices | tokens/device |" in text
+    assert "**cpu x1**, jax " in text and "**cpu x4**, jax " in text  # device kind and count, jax version
+    for suite in ("step", "ring", "strategies", "coverage"):
+        (png,) = out.glob(f"*_{suite}.png")
+        assert png.read_bytes().startswith(b"\x89PNG")
+
+    printed = subprocess.run([sys.executable, str(BENCH), "report", "--out", str(out), "--no-plots"],
+                             capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    for suite in SUITES:  # without --write-readme: every suite's markdown to stdout, between its markers
+        assert f"<!-- bench:{suite}:begin -->\n**cpu x" in printed.stdout
+
+
+def test_replace_marked(bench):
+    text = "intro\n<!-- bench:step:begin -->\nold\ntable\n  <!-- bench:step:end -->\n<!-- bench:ring:begin -->\nx\n" \
+           "<!-- bench:ring:end -->\n"
+    new = bench.replace_marked(text, "step", "\n| a |\n")
+    assert new == ("intro\n<!-- bench:step:begin -->\n| a |\n  <!-- bench:step:end -->\n<!-- bench:ring:begin -->\n"
+                   "x\n<!-- bench:ring:end -->\n")
+    assert bench.replace_marked(new, "step", "| a |") == new  # idempotent
+    with pytest.raises(ValueError):
+        bench.replace_marked(text, "million", "x")  # no markers
+    with pytest.raises(ValueError):
+        bench.replace_marked("<!-- bench:step:begin --><!-- bench:step:end -->\n", "step", "x")  # one line
+    with pytest.raises(ValueError):
+        bench.replace_marked("<!-- bench:step:end -->\n<!-- bench:step:begin -->\n", "step", "x")  # reversed
+
+
+def test_help_lists_every_suite(bench):
+    text = bench.parser().format_help()
+    for suite in (*SUITES, "report"):
+        assert suite in text

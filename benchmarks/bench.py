@@ -1,0 +1,786 @@
+"""ringjax benchmarks: `python benchmarks/bench.py SUITE [options]` (`--help` after a suite lists its options).
+
+Each run appends one JSON line per case to benchmarks/results/<device>[_xN]_<date>_<suite>.jsonl and
+prints a markdown table; `report` renders the newest results of every suite and device kind (README
+tables between `<!-- bench:SUITE:begin/end -->` markers with --write-readme, PNG plots). What each
+suite measures and how to run it on a GPU machine: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import ringjax
+
+from common import (
+    FWD_BWD,
+    RESULTS,
+    Recorder,
+    Shape,
+    attention_fns,
+    errors,
+    failure,
+    measure,
+    newest_results,
+    picked,
+    random_inputs,
+    ringjax_log,
+    significant,
+    timeit,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("fwd", "fwd_bwd", "bwd")
+MODE_NAMES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd", "bwd": "bwd"}
+
+# ----------------------------------------------------------------------------- progress and output
+
+try:
+    from tqdm import tqdm
+except ImportError:  # optional: without it, rows are printed as they come and nothing else
+    tqdm = None
+
+
+def progress(items, desc: str):
+    """`items` under a tqdm bar when tqdm is installed and stderr is a terminal."""
+    return items if tqdm is None else tqdm(items, desc=desc, disable=None, leave=False)
+
+
+def say(text: str):
+    """Print without breaking a progress bar."""
+    if tqdm is None:
+        print(text, flush=True)
+    else:
+        tqdm.write(text)
+
+
+# ----------------------------------------------------------------------------- what is compared
+
+
+def ringjax_attention(implementation: str, causal: bool, **options):
+    """ringjax on one device (`axis_name=None`) as attn(q, k, v)."""
+    return lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, causal=causal,
+                                                  implementation=implementation, **options)
+
+
+def unavailable(library: str) -> str | None:
+    """Why `library` ("cudnn" | "tokamax") cannot run here, or None."""
+    if library == "tokamax":
+        try:
+            import tokamax  # noqa: F401
+        except ImportError as e:
+            return f"tokamax is not importable ({failure(e)})"
+    platform = jax.devices()[0].platform
+    return None if platform == "gpu" else f"{library} runs on NVIDIA GPUs only (this run: {platform})"
+
+
+OTHER_IMPLEMENTATION = {"cudnn": "cudnn", "tokamax": "mosaic"}
+
+
+def other_attention(library: str, causal: bool, **options):
+    """cuDNN through `jax.nn.dot_product_attention` or tokamax's Mosaic GPU kernel, as attn(q, k, v)."""
+    if library == "cudnn":
+        fn = jax.nn.dot_product_attention
+    else:
+        import tokamax
+
+        fn = tokamax.dot_product_attention
+    return lambda q, k, v: fn(q, k, v, is_causal=causal, implementation=OTHER_IMPLEMENTATION[library], **options)
+
+
+REFERENCE_MAX_SCORES = 2**31  # B*H*T*T float32 scores that the XLA reference materializes (8 GiB)
+
+
+def reference(q, k, v, causal: bool):
+    """(name, output) that one-device outputs are checked against; (None, None) where there is none.
+
+    XLA in float32 while its T x T scores fit, else cuDNN on GPUs.
+    """
+    batch, tokens, heads, _ = q.shape
+    if batch * heads * tokens * tokens <= REFERENCE_MAX_SCORES:
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        return "xla float32", jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla"))(*f32)
+    if unavailable("cudnn") is None:
+        return "cudnn", jax.jit(other_attention("cudnn", causal))(q, k, v)
+    return None, None
+
+
+def make_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh of the first local devices with Auto axes: XLA places what the suites do not shard."""
+    return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
+                         devices=jax.devices()[:math.prod(shape)])
+
+
+def sharded_ring(mesh: Mesh, implementation: str, layout: str = "zigzag"):
+    """The causal ring over mesh axis "sp" inside `jax.shard_map`, as attn(q, k, v) on global arrays in `layout`."""
+    spec = P(None, "sp")
+
+    def local(q, k, v):
+        return ringjax.ring_attention(q, k, v, axis_name="sp", causal=True, layout=layout,
+                                      implementation=implementation)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
+
+
+def natural(x, devices: int, layout: str = "zigzag"):
+    """A global array in `layout` order, back in token order on the first device."""
+    return jax.device_put(ringjax.from_layout(x, layout, devices), jax.devices()[0])
+
+
+def ratios(a: dict, b: dict) -> dict:
+    """a's TFLOP/s over b's, per mode (None where either is missing)."""
+    out = {}
+    for mode in MODES:
+        x, y = a.get(f"{mode}_tflops"), b.get(f"{mode}_tflops")
+        out[mode] = significant(x / y, 3) if x and y else None
+    return out
+
+
+def timed(attn, inputs, flops: float, args, devices: int = 1) -> tuple[dict, object]:
+    """measure(...) with ringjax's log: (rates + "implementation" it ran, forward output)."""
+    with ringjax_log() as log:
+        timing, out = measure(attn, *inputs, flops, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
+                              devices=devices)
+    return {**picked(log), **timing}, out
+
+
+def timed_other(library: str, causal: bool, inputs, flops: float, args, **options) -> dict:
+    """cuDNN's or tokamax's rates, or {"skipped": why} / {"error": what}."""
+    why = unavailable(library)
+    if why is not None:
+        return {"skipped": why}
+    try:
+        timing, _ = measure(other_attention(library, causal, **options), *inputs, flops, reps=args.reps,
+                            warmup=args.warmup, budget_s=args.budget)
+    except Exception as e:  # noqa: BLE001 - a library that refuses a shape is recorded, the rest go on
+        return {"error": failure(e)}
+    return {"implementation": OTHER_IMPLEMENTATION[library], **timing}
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def run_step(args, rec: Recorder):
+    """One device: ringjax, cuDNN and tokamax side by side, per T and causal."""
+    shape = args.shape
+    for t, causal in progress([(t, c) for t in args.seqs for c in (True, False)], "step"):
+        inputs = random_inputs(shape, t)
+        ref_name, ref = reference(*inputs[:3], causal)
+        flops = shape.flops(t, causal)
+        for library in ("ringjax", "cudnn", "tokamax"):
+            case = {"library": library, "T": t, "causal": causal, **dataclasses.asdict(shape)}
+            if library != "ringjax":
+                rec.add(case, **timed_other(library, causal, inputs, flops, args))
+                continue
+            try:
+                timing, out = timed(ringjax_attention(args.implementation, causal), inputs, flops, args)
+            except Exception as e:  # noqa: BLE001
+                rec.add(case, error=failure(e))
+                continue
+            check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
+            rec.add(case, **timing, **check)
+        del inputs, ref
+
+
+def run_ring(args, rec: Recorder):
+    """The zigzag causal ring over N devices vs the same total work on one device (ringjax, cuDNN)."""
+    shape, n = args.shape, args.devices
+    mesh = make_mesh((n,), ("sp",))
+    itemsize = jnp.dtype(shape.dtype).itemsize
+    for tp in progress(args.tokens_per_device, "ring"):
+        t = n * tp
+        case = {"devices": n, "tokens_per_device": tp, "T": t, "layout": "zigzag", "causal": True,
+                **dataclasses.asdict(shape)}
+        kv_elements = 2 * shape.batch * tp * shape.kv_heads * shape.head_dim  # one shard's K and V
+        flops = shape.flops(t, True)
+        try:
+            inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
+            ring, ring_out = timed(sharded_ring(mesh, args.implementation), inputs, flops, args, devices=n)
+            one = [natural(x, n) for x in inputs]
+            del inputs
+            own, own_out = timed(ringjax_attention(args.implementation, True), one, flops, args)
+            check = errors(natural(ring_out, n), own_out)
+            del ring_out, own_out
+            cudnn = timed_other("cudnn", True, one, flops, args)
+            del one
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest size
+            rec.add(case, error=failure(e))
+            continue
+        rec.add(case, implementation=ring["implementation"], ring=ring, one_device=own, cudnn=cudnn,
+                ring_over_one_device=ratios(ring, own), ring_over_cudnn=ratios(ring, cudnn),
+                kv_bytes_per_step=kv_elements * itemsize,
+                # backward steps carry the float32 dK, dV accumulators beside K and V
+                kv_bytes_per_step_bwd=kv_elements * (itemsize + 4), **check)
+
+
+STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid", "auto")
+
+
+def strategy_mesh(strategy: str, devices: int):
+    """(mesh, axis_name): hybrid runs ulysses over "hp" (2) and the ring over "sp" (N/2)."""
+    if strategy == "hybrid":
+        return make_mesh((2, devices // 2), ("hp", "sp")), ("hp", "sp")
+    return make_mesh((devices,), ("sp",)), "sp"
+
+
+def run_strategies(args, rec: Recorder):
+    """Every context-parallel strategy on global arrays over N devices; outputs checked against the ring's."""
+    n = args.devices
+    strategies = [s for s in STRATEGIES if s != "hybrid" or (n >= 4 and n % 2 == 0)]
+    kv_heads = [args.shape.heads] * (args.mha and args.shape.heads != args.shape.kv_heads) + [args.shape.kv_heads]
+    for tp, kvh in progress([(tp, kvh) for tp in args.tokens_per_device for kvh in kv_heads], "strategies"):
+        shape, t = dataclasses.replace(args.shape, kv_heads=kvh), n * tp
+        ring_mesh = make_mesh((n,), ("sp",))
+        inputs = random_inputs(shape, t, NamedSharding(ring_mesh, P(None, "sp")))
+        ring_out = None  # ring runs first: the others are checked against its output
+        for strategy in strategies:
+            case = {"devices": n, "tokens_per_device": tp, "T": t, "strategy": strategy, "layout": args.layout,
+                    "causal": args.causal, **dataclasses.asdict(shape)}
+            mesh, axis = strategy_mesh(strategy, n)
+
+            def attn(q, k, v):
+                return ringjax.ring_attention(q, k, v, axis_name=axis, mesh=mesh, causal=args.causal,
+                                              layout=args.layout, strategy=strategy,
+                                              implementation=args.implementation)
+
+            try:
+                placed = jax.device_put(inputs, NamedSharding(mesh, P(None, axis)))
+                timing, out = timed(attn, placed, shape.flops(t, args.causal), args, devices=n)
+                del placed
+                if strategy == "ring":
+                    ring_out = jax.device_put(out, jax.devices()[0])
+                check = {} if ring_out is None else {"rel_err_vs_ring": errors(out, ring_out)["rel_err"]}
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: record it and go on
+                rec.add(case, error=failure(e))
+                continue
+            if strategy == "auto" and "chosen" not in timing:
+                timing["note"] = "ringjax logged no strategy choice"
+            rec.add(case, **timing, **check)
+        del inputs, ring_out
+
+
+def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict, dict | str]]:
+    """(feature, shape, ring_attention keywords, cuDNN keywords or why cuDNN is left out) at length t."""
+    heads = shape.heads
+    half, double = (dataclasses.replace(shape, head_dim=d) for d in (shape.head_dim // 2, shape.head_dim * 2))
+    segments = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(shape.batch, 0)  # 4 documents
+
+    def absent(what):
+        return f"jax.nn.dot_product_attention has no {what}"
+
+    return [
+        ("plain", shape, {}, {}),
+        (f"head_dim={half.head_dim}", half, {}, {}),
+        (f"head_dim={double.head_dim}", double, {}, {}),
+        ("float32", dataclasses.replace(shape, dtype="float32"), {}, "cuDNN attention has no float32"),
+        ("alibi", shape, {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads)}, absent("ALiBi")),
+        ("dropout", shape, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)}, absent("dropout")),
+        ("sink_tokens", shape, {"num_sink_tokens": 4, "sliding_window": args.window}, absent("sink tokens")),
+        ("chunked", shape, {"chunk_size": args.chunk}, absent("chunked mask")),
+        ("segments", shape, {"segment_ids": segments}, absent("segment ids")),
+        ("soft_cap", shape, {"logits_soft_cap": 30.0}, absent("logits soft cap")),
+        ("window", shape, {"sliding_window": args.window}, {"local_window_size": (args.window, 0)}),
+        ("learnable_sinks", shape, {"sinks": jnp.zeros((heads,), jnp.float32)}, absent("learnable sinks")),
+    ]
+
+
+def run_coverage(args, rec: Recorder):
+    """Features one at a time on one device, causal, against the plain case (and cuDNN where it has them)."""
+    for t in args.seqs:
+        features = coverage_features(args.shape, t, args)
+        unknown = set(args.features or ()) - {f[0] for f in features}
+        if unknown:
+            raise SystemExit(f"--features: unknown {sorted(unknown)}; known: {[f[0] for f in features]}")
+        wanted = [f for f in features if args.features is None or f[0] in args.features]
+        plain = None
+        inputs_by_shape = {}
+        for name, shape, options, cudnn_options in progress(wanted, f"coverage T={t}"):
+            case = {"feature": name, "T": t, "causal": True, **dataclasses.asdict(shape)}
+            flops = shape.flops(t, True)
+            try:
+                if shape not in inputs_by_shape:
+                    inputs_by_shape[shape] = random_inputs(shape, t)
+                inputs = inputs_by_shape[shape]
+                timing, out = timed(ringjax_attention(args.implementation, True, **options), inputs, flops, args)
+                finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
+                del out
+            except Exception as e:  # noqa: BLE001 - a feature an implementation refuses is a row, not a crash
+                rec.add(case, error=failure(e))
+                continue
+            if name == "plain":
+                plain = timing
+            cudnn = ({"skipped": cudnn_options} if isinstance(cudnn_options, str)
+                     else timed_other("cudnn", True, inputs, flops, args, **cudnn_options))
+            rec.add(case, **timing, finite=finite, vs_plain=ratios(timing, plain) if plain else None, cudnn=cudnn)
+        del inputs_by_shape
+
+
+def peak_memory(devices) -> dict:
+    """Peak bytes in use over `devices` from `memory_stats()`, where the platform reports it."""
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    if None in peaks:
+        return {"peak_gib_per_device": None, "memory_note": f"memory_stats() has no peak on {devices[0].platform}"}
+    return {"peak_gib_per_device": round(max(peaks) / 2**30, 2)}
+
+
+def run_million(args, rec: Recorder):
+    """One long causal zigzag fwd+bwd over N devices: seconds, TFLOP/s and peak memory per device."""
+    shape, n, t = args.shape, args.devices, args.tokens
+    mesh = make_mesh((n,), ("sp",))
+    case = {"tokens": t, "devices": n, "layout": "zigzag", "causal": True, **dataclasses.asdict(shape)}
+    try:
+        inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
+        fwd, fwd_bwd = attention_fns(sharded_ring(mesh, args.implementation))
+        with ringjax_log() as log:
+            start = time.perf_counter()
+            jax.block_until_ready(fwd_bwd(*inputs))  # compiles; the first warm-up
+            first_s = time.perf_counter() - start
+        seconds = timeit(fwd_bwd, *inputs, reps=args.reps, warmup=max(0, args.warmup - 1), budget_s=args.budget)
+        memory = peak_memory(list(mesh.devices.flat))
+        check = {}
+        if t <= args.check_max_tokens:  # small enough for one device: the ring's output against it
+            one = [natural(x, n) for x in inputs[:3]]
+            check = errors(natural(fwd(*inputs[:3]), n), jax.jit(ringjax_attention(args.implementation, True))(*one))
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory
+        rec.add(case, error=failure(e))
+        return
+    rec.add(case, **picked(log), seconds=significant(seconds), first_call_s=significant(first_s, 3),
+            tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check)
+
+
+# ----------------------------------------------------------------------------- markdown and plots
+
+
+def fmt(x) -> str:
+    """A table cell: floats to 0.1 from 10 up, else 3 significant digits (ratios, errors); None as a dash."""
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.3g}"
+    return str(x)
+
+
+def kilo(t: int) -> str:
+    return f"{t // 1024}K" if t >= 1024 and t % 1024 == 0 else str(t)
+
+
+def markdown_table(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in r) + " |" for r in body])
+
+
+def title(rows: list[dict]) -> str:
+    """Where and when: device kind and count, jax and ringjax versions, date, shape."""
+    r = rows[-1]
+    case = next((x["case"] for x in rows if x["case"].get("feature", "plain") == "plain"), r["case"])
+    shape = Shape(**{f.name: case[f.name] for f in dataclasses.fields(Shape)}).describe()
+    return (f"**{r['device_kind']} x{r['device_count']}**, jax {r['jax']}, ringjax {r['ringjax']}, "
+            f"{r['time'][:10]} (UTC); {shape}")
+
+
+def footnotes(rows: list[dict], what: str) -> list[str]:
+    """One line per distinct skip or failure, with how many cases it hit."""
+    seen: dict[str, int] = {}
+    for r in rows:
+        for source, fields in ((r["case"].get(what, ""), r), ("cuDNN", r.get("cudnn") or {})):
+            for kind in ("skipped", "error", "fwd_bwd_error"):
+                if fields.get(kind):
+                    line = f"{source} {kind.replace('_', ' ')}: {fields[kind]}".strip()
+                    seen[line] = seen.get(line, 0) + 1
+    return [f"- {line}" + (f" ({n} cases)" if n > 1 else "") for line, n in seen.items()]
+
+
+def tflops(fields: dict, mode: str):
+    return fields.get(f"{mode}_tflops") if fields else None
+
+
+def table_step(rows):
+    cudnn = {(r["case"]["T"], r["case"]["causal"]): r for r in rows if r["case"]["library"] == "cudnn"}
+    body = []
+    for r in rows:
+        c = r["case"]
+        if "fwd_tflops" not in r:
+            continue
+        base = cudnn.get((c["T"], c["causal"]), {})
+        vs = [tflops(r, m) / tflops(base, m) if tflops(r, m) and tflops(base, m) else None for m in ("fwd", "fwd_bwd")]
+        body.append([kilo(c["T"]), "yes" if c["causal"] else "no", c["library"], r.get("implementation", "—"),
+                     r.get("fwd_tflops"), r.get("fwd_bwd_tflops"), r.get("bwd_tflops"), r.get("fwd_ms"),
+                     r.get("fwd_bwd_ms"), vs[0], vs[1], r.get("rel_err")])
+    return markdown_table(["T", "causal", "library", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
+                           "bwd TFLOP/s", "fwd ms", "fwd+bwd ms", "fwd vs cuDNN", "fwd+bwd vs cuDNN", "rel err"],
+                          body)
+
+
+def table_ring(rows):
+    body = []
+    for r in rows:
+        if "ring" not in r:
+            continue
+        c, vs_own, vs_cudnn = r["case"], r["ring_over_one_device"], r["ring_over_cudnn"]
+        body.append([c["devices"], kilo(c["tokens_per_device"]), kilo(c["T"]), r["implementation"],
+                     tflops(r["ring"], "fwd"), tflops(r["ring"], "fwd_bwd"), tflops(r["one_device"], "fwd"),
+                     tflops(r["one_device"], "fwd_bwd"), tflops(r["cudnn"], "fwd"), tflops(r["cudnn"], "fwd_bwd"),
+                     vs_own["fwd"], vs_own["fwd_bwd"], vs_cudnn["fwd"], vs_cudnn["fwd_bwd"],
+                     r["kv_bytes_per_step"] / 2**20, r["kv_bytes_per_step_bwd"] / 2**20, r.get("rel_err")])
+    return markdown_table(["devices", "tokens/device", "total T", "implementation", "ring fwd TFLOP/s/device",
+                           "ring fwd+bwd", "one device fwd", "one device fwd+bwd", "cuDNN fwd", "cuDNN fwd+bwd",
+                           "ring/one fwd", "ring/one fwd+bwd", "ring/cuDNN fwd", "ring/cuDNN fwd+bwd",
+                           "K/V MiB per step fwd", "bwd", "rel err vs one device"], body)
+
+
+def table_strategies(rows):
+    body = []
+    for r in rows:
+        c = r["case"]
+        if "fwd_tflops" not in r:
+            continue
+        strategy = c["strategy"] + (f" → {r['chosen']}" if r.get("chosen") else "")
+        body.append([kilo(c["tokens_per_device"]), f"{c['heads']}/{c['kv_heads']}", strategy,
+                     r.get("implementation"), r.get("fwd_ms"), r.get("fwd_tflops"), r.get("fwd_bwd_ms"),
+                     r.get("fwd_bwd_tflops"), r.get("rel_err_vs_ring")])
+    return markdown_table(["tokens/device", "heads q/kv", "strategy", "implementation", "fwd ms",
+                           "fwd TFLOP/s/device", "fwd+bwd ms", "fwd+bwd TFLOP/s/device", "rel err vs ring"],
+                          body)
+
+
+def table_coverage(rows):
+    body = []
+    for r in rows:
+        c = r["case"]
+        if "fwd_tflops" not in r:
+            body.append([kilo(c["T"]), c["feature"], "failed (below)"] + ["—"] * 6)
+            continue
+        vs = r.get("vs_plain") or {}
+        body.append([kilo(c["T"]), c["feature"], r.get("implementation"), r.get("fwd_tflops"),
+                     r.get("fwd_bwd_tflops"), vs.get("fwd"), vs.get("fwd_bwd"),
+                     tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")])
+    return markdown_table(["T", "feature", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "fwd vs plain",
+                           "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"], body)
+
+
+def table_million(rows):
+    body = [[kilo(r["case"]["tokens"]), r["case"]["devices"], r.get("implementation"), r.get("seconds"),
+             r.get("tflops_per_device"), r.get("peak_gib_per_device"), r.get("rel_err")]
+            for r in rows if "seconds" in r]
+    return markdown_table(["tokens", "devices", "implementation", "fwd+bwd s", "TFLOP/s per device",
+                           "peak GiB per device", "rel err vs one device"], body)
+
+
+def render(suite: str, rows: list[dict]) -> str:
+    """The markdown of one suite's rows from one device kind: a title line, the table, skips and failures."""
+    notes = footnotes(rows, SUITES[suite].label)
+    head = [title(rows), "", SUITES[suite].caption, ""]
+    return "\n".join(head + [SUITES[suite].table(rows)] + ([""] + notes if notes else []))
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def bars(path: Path, heading: str, groups: list[str], series: dict[str, list], ylabel: str,
+         ratio: bool = False) -> bool:
+    """A grouped bar chart: one group per label, one bar per series (None draws nothing).
+
+    `ratio`: values are ratios to a baseline, drawn on a log axis with a line at 1.
+    """
+    plt = _pyplot()
+    if plt is None or not groups:
+        return False
+    fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 0.6 * len(groups) * len(series) ** 0.5 + 2)), 4.2))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([g + i * width for g in range(len(groups))], [v or math.nan for v in values], width, label=name)
+    if ratio:
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
+    ax.set_xticklabels(groups, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(heading, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_step(rows, path, heading):
+    cases = sorted({(r["case"]["T"], r["case"]["causal"]) for r in rows}, key=lambda c: (c[0], not c[1]))
+    groups = [(t, c, m) for t, c in cases for m in MODES]
+    series = {}
+    for lib in dict.fromkeys(r["case"]["library"] for r in rows if "fwd_tflops" in r):
+        by = {(r["case"]["T"], r["case"]["causal"]): r for r in rows if r["case"]["library"] == lib}
+        series[lib] = [tflops(by.get((t, c)), m) for t, c, m in groups]
+    labels = [f"{kilo(t)} {'causal' if c else 'full'}\n{MODE_NAMES[m]}" for t, c, m in groups]
+    return bars(path, heading, labels, series, "TFLOP/s")
+
+
+def plot_ring(rows, path, heading):
+    plt = _pyplot()
+    rows = [r for r in rows if "ring" in r]
+    if plt is None or not rows:
+        return False
+    x = [r["case"]["tokens_per_device"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, mode in zip(axes, ("fwd", "fwd_bwd")):
+        for key, label in (("ring", "ring, per device"), ("one_device", "ringjax, one device"),
+                           ("cudnn", "cuDNN, one device")):
+            ys = [tflops(r[key], mode) for r in rows]
+            if any(ys):
+                ax.plot(x, ys, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [kilo(t) for t in x])
+        ax.minorticks_off()
+        ax.set_xlabel("tokens per device (one device: the same total)")
+        ax.set_title(MODE_NAMES[mode], fontsize=9)
+    axes[0].set_ylabel("TFLOP/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(heading, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def plot_strategies(rows, path, heading):
+    rows = [r for r in rows if "fwd_tflops" in r]
+    groups = list(dict.fromkeys((r["case"]["tokens_per_device"], r["case"]["kv_heads"]) for r in rows))
+    series = {}
+    for strategy in dict.fromkeys(r["case"]["strategy"] for r in rows):
+        by = {(r["case"]["tokens_per_device"], r["case"]["kv_heads"]): r for r in rows
+              if r["case"]["strategy"] == strategy}
+        series[strategy] = [r.get("fwd_bwd_tflops") if (r := by.get(g)) else None for g in groups]
+    labels = [f"{kilo(tp)}/device\n{kvh} kv heads" for tp, kvh in groups]
+    return bars(path, heading, labels, series, "fwd+bwd TFLOP/s per device")
+
+
+def plot_coverage(rows, path, heading):
+    rows = [r for r in rows if r.get("vs_plain")]
+    features = list(dict.fromkeys(r["case"]["feature"] for r in rows))
+    series = {}
+    for t in dict.fromkeys(r["case"]["T"] for r in rows):
+        by = {r["case"]["feature"]: r["vs_plain"] for r in rows if r["case"]["T"] == t}
+        for mode in ("fwd", "fwd_bwd"):
+            series[f"{kilo(t)} {MODE_NAMES[mode]}"] = [by.get(f, {}).get(mode) for f in features]
+    return bars(path, heading, [f.replace("_", "\n") for f in features], series, "TFLOP/s over plain", ratio=True)
+
+
+def replace_marked(text: str, suite: str, body: str) -> str:
+    """`text` with what lies between `<!-- bench:SUITE:begin -->` and `<!-- bench:SUITE:end -->` set to `body`.
+
+    The marker lines stay; ValueError if either is missing or they are out of order.
+    """
+    begin, end = f"<!-- bench:{suite}:begin -->", f"<!-- bench:{suite}:end -->"
+    i = text.find(begin)
+    j = text.find(end, i + len(begin)) if i >= 0 else -1
+    if i < 0 or j < 0:
+        raise ValueError(f"no {begin} ... {end} markers")
+    start = text.find("\n", i) + 1  # the line after the begin marker
+    if start == 0 or start > j:
+        raise ValueError(f"{begin} and {end} must be on lines of their own")
+    end_line = text.rfind("\n", 0, j) + 1  # the end marker's line, indentation included
+    return text[:start] + body.strip("\n") + "\n" + text[end_line:]
+
+
+def run_report(args) -> int:
+    """Markdown of the newest results per suite and device kind (README with --write-readme), and plots."""
+    results = newest_results(args.out)
+    if not results:
+        print(f"no results under {args.out}", file=sys.stderr)
+        return 1
+    sections: dict[str, list[str]] = {}
+    known = [(key, found) for key, found in results.items() if key[0] in SUITES and found[1]]
+    for (suite, _device), (path, rows) in sorted(known, key=lambda kv: (list(SUITES).index(kv[0][0]), kv[0][1])):
+        sections.setdefault(suite, []).append(render(suite, rows))
+        plot = SUITES[suite].plot
+        if plot is not None and not args.no_plots:
+            png = path.with_suffix(".png")
+            if plot(rows, png, title(rows).replace("**", "").replace("; ", "\n")):
+                print(f"wrote {png}", file=sys.stderr)
+    if args.write_readme:
+        text = args.readme.read_text()
+        for suite, parts in sections.items():
+            try:
+                text = replace_marked(text, suite, "\n\n".join(parts))
+            except ValueError as e:
+                print(f"{args.readme}: {suite}: {e}; left as it was", file=sys.stderr)
+        args.readme.write_text(text)
+        print(f"updated {args.readme}", file=sys.stderr)
+    else:
+        for suite, parts in sections.items():
+            print(f"<!-- bench:{suite}:begin -->\n" + "\n\n".join(parts) + f"\n<!-- bench:{suite}:end -->\n")
+    return 0
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    run: object
+    table: object
+    plot: object
+    help: str
+    caption: str  # under each table: what its numbers count
+    label: str  # the case field that names a row in footnotes
+    devices: str  # "one" or "all": how many local devices a run uses by default
+    defaults: dict  # suite options: full size, then --tiny
+    tiny: dict
+
+
+COUNT = "TFLOP/s: 4·B·H·T²·D forward (half when causal), ×3.5 fwd+bwd, ×2.5 bwd (fwd+bwd time − fwd time)"
+SUITES = {
+    "step": Suite(
+        run_step, table_step, plot_step, help="one device: ringjax vs cuDNN vs tokamax, fwd, fwd+bwd, bwd",
+        caption=f"{COUNT}; median of --reps calls. rel err: ringjax's output against XLA in float32 where its "
+                "T×T scores fit (≤ 8K at these shapes), else against cuDNN.",
+        label="library", devices="one", defaults={"seqs": [8192, 32768]}, tiny={"seqs": [256]}),
+    "ring": Suite(
+        run_ring, table_ring, plot_ring, help="the zigzag ring over all local devices vs the same work on one device",
+        caption=f"Causal, zigzag layout. {COUNT}, per device over the total T. \"one device\": ringjax "
+                "(axis_name=None) and cuDNN on the whole sequence. K/V per step: one shard's K and V (forward); "
+                "K, V and the float32 dK, dV accumulators (backward).",
+        label="devices", devices="all", defaults={"tokens_per_device": [4096, 8192, 16384, 32768]},
+        tiny={"tokens_per_device": [64, 128]}),
+    "strategies": Suite(
+        run_strategies, table_strategies, plot_strategies,
+        help="strategy ring | all_gather | ulysses | hybrid | auto over all local devices",
+        caption=f"{COUNT}, per device over the total T. hybrid: ulysses over 2 devices x ring over N/2. "
+                "auto → what strategy=\"auto\" chose. rel err: the output against the ring's.",
+        label="strategy",
+        devices="all", defaults={"tokens_per_device": [8192, 32768], "mha": True},
+        tiny={"tokens_per_device": [64], "mha": False}),
+    "coverage": Suite(
+        run_coverage, table_coverage, plot_coverage,
+        help="features (ALiBi, dropout, windows, ...) against the plain case on one device",
+        caption="Causal, one device. TFLOP/s counts the dense causal work at each row's head_dim, so masks that "
+                "hide more (window, chunked, segments) read above plain; vs plain: TFLOP/s over the plain row's. "
+                "implementation: what implementation=\"auto\" ran.",
+        label="feature",
+        devices="one", defaults={"seqs": [8192, 32768], "window": 1024, "chunk": 2048},
+        tiny={"seqs": [256], "window": 64, "chunk": 64}),
+    "million": Suite(
+        run_million, table_million, None,
+        help="1M tokens causal zigzag fwd+bwd over all local devices: seconds, TFLOP/s, memory",
+        caption=f"Causal, zigzag layout, one forward+backward. {COUNT}, per device. Peak memory: the largest "
+                "peak_bytes_in_use of memory_stats() over the devices.",
+        label="tokens",
+        devices="all", defaults={"tokens": 1 << 20, "reps": 1, "warmup": 1}, tiny={"tokens": 2048}),
+}
+SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "reps": 10, "warmup": 2}
+TINY_SHAPE = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 32, "dtype": "bfloat16", "reps": 2, "warmup": 1}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--implementation", default="auto",
+                        help="ringjax implementation: auto (default) or a registered name such as pallas_mosaic_gpu, "
+                             "pallas_triton, xla (see `python -m ringjax implementations`)")
+    common.add_argument("--reps", type=int, help="timed calls per measurement, median kept (default 10; --tiny 2)")
+    common.add_argument("--warmup", type=int, help="untimed calls first, the compiling one included (default 2; "
+                                                   "--tiny 1)")
+    common.add_argument("--budget", type=float, default=10.0,
+                        help="seconds of timed calls per measurement: slow cases get fewer reps (default 10)")
+    common.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
+    common.add_argument("--tiny", action="store_true",
+                        help="CPU smoke sizes: T=256, 4 q / 2 kv heads, head_dim 32; seconds per suite")
+    common.add_argument("--tag", default="", help="free text stored in every row")
+    shape = common.add_argument_group("shape (default bf16, batch 1, 32 q / 8 kv heads, head_dim 128)")
+    for flag, kind in (("--batch", int), ("--heads", int), ("--kv-heads", int), ("--head-dim", int), ("--dtype", str)):
+        shape.add_argument(flag, type=kind)
+    multi = argparse.ArgumentParser(add_help=False)
+    multi.add_argument("--devices", type=int, help="local devices to use (default: all)")
+
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, suite in SUITES.items():
+        s = sub.add_parser(name, help=suite.help, description=suite.help,
+                           parents=[common] + ([multi] if suite.devices == "all" else []))
+        if "seqs" in suite.defaults:
+            s.add_argument("--seqs", type=ints, help=f"sequence lengths (default {suite.defaults['seqs']})")
+        if "tokens_per_device" in suite.defaults:
+            s.add_argument("--tokens-per-device", type=ints,
+                           help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
+        if name == "strategies":
+            s.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "striped"))
+            s.add_argument("--no-mha", dest="mha", action="store_false", default=None,
+                           help="only the GQA case of --kv-heads, not also MHA (the default with --tiny)")
+            s.add_argument("--no-causal", dest="causal", action="store_false")
+        if name == "coverage":
+            s.add_argument("--features", type=lambda x: x.split(","),
+                           help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<2D>, float32, alibi, "
+                                "dropout, sink_tokens, chunked, segments, soft_cap, window, learnable_sinks "
+                                "(default: all)")
+            s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
+            s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' (default 2048)")
+        if name == "million":
+            s.add_argument("--tokens", type=int, help="total tokens (default 1048576)")
+            s.add_argument("--check-max-tokens", type=int, default=32768,
+                           help="compare with one device up to this many tokens (default 32768)")
+    report = sub.add_parser("report", help="tables (README with --write-readme) and plots from the newest results",
+                            description="Render the newest results per suite and device kind under --out: markdown "
+                                        "to stdout (or into README.md between <!-- bench:SUITE:begin/end --> "
+                                        "markers) and a PNG beside each results file.")
+    report.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
+    report.add_argument("--write-readme", action="store_true", help="write the tables into the README's markers")
+    report.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    report.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def resolve(args) -> argparse.Namespace:
+    """Fill options left unset from the suite's defaults (--tiny's where given) and build args.shape."""
+    suite = SUITES[args.suite]
+    for key, value in {**SHAPE, **suite.defaults, **(TINY_SHAPE | suite.tiny if args.tiny else {})}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    args.shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+    available = jax.local_device_count()
+    args.devices = 1 if suite.devices == "one" else (args.devices or available)
+    if args.devices > available:
+        raise SystemExit(f"--devices {args.devices}: only {available} local devices")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    if args.suite == "report":
+        return run_report(args)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast is off on the lent GPU machines
+    args = resolve(args)
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "shape"}
+    rec = Recorder(args.suite, args.out, args.devices, options, tag=args.tag, say=say)
+    say(f"{args.suite}: {jax.devices()[0].device_kind} x{args.devices}, jax {jax.__version__}, "
+        f"ringjax {ringjax.__version__}; {args.shape.describe()} -> {rec.path}")
+    SUITES[args.suite].run(args, rec)
+    if rec.rows:
+        say("\n" + render(args.suite, rec.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
