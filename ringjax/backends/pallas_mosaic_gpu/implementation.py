@@ -119,7 +119,7 @@ class PallasMosaicGpuImplementation:
         return default_config(problem)
 
     def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
-        # measured on one H200 (benchmarks/NOTES.md): 128-key forward blocks with 2 stages lead (64 with 4
+        # measured on one H200 (docs/performance.md): 128-key forward blocks with 2 stages lead (64 with 4
         # stages lost 10-15%); the rest differ by a few percent, so the tuner decides
         out = []
         for pair_heads in (True, False):

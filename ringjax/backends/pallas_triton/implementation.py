@@ -68,7 +68,7 @@ class PallasTritonImplementation:
         return config
 
     def candidate_configs(self, problem: Problem) -> list[GpuConfig]:
-        # measured on H200 (benchmarks/NOTES.md, v4/v5): forward 128x128 tiles with 8 warps and
+        # measured on H200 (docs/performance.md): forward 128x128 tiles with 8 warps and
         # 3 stages lead; the split backward with 64x64 tiles and 4 warps leads by far (the fused
         # backward's atomics cost more than the two matmuls it saves, so it is not a candidate);
         # each is shrunk to the GPU's shared memory, and duplicates dropped
