@@ -10,12 +10,17 @@ that split each shard into several blocks.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
@@ -27,7 +32,12 @@ from harness import check_against_reference, make_inputs, mesh_of, reference_for
 
 pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
 
-from ringjax.backends.pallas_tpu.implementation import IMPLEMENTATION, INTERPRET_IMPLEMENTATION, TpuConfig  # noqa: E402
+from ringjax.backends.pallas_tpu.implementation import (  # noqa: E402
+    IMPLEMENTATION,
+    INTERPRET_IMPLEMENTATION,
+    TpuConfig,
+    xla_cpu_threads,
+)
 from ringjax.backends.pallas_tpu.kernels import races_found, reset_interpreter  # noqa: E402
 
 # pallas_tpu_interpret is registered for CPU only; on a GPU machine these are left to the CPU run
@@ -40,6 +50,27 @@ def _fresh_interpreter():
     reset_interpreter()
     yield
     reset_interpreter()
+
+
+def _too_few_threads(n):
+    """Why the interpreter refuses n devices in this process for want of XLA CPU threads, or None."""
+    threads, source = xla_cpu_threads(len(jax.devices("cpu")))
+    if n > 1 and threads < 2 * n:
+        return f"the interpreter on {n} devices needs {2 * n} XLA CPU threads, {threads} here ({source})"
+    return None
+
+
+def _in_a_process_with_threads(test, threads):
+    """Run one test of this file in a fresh process whose XLA CPU client has `threads` threads
+    (the client sizes its pool once, when jax starts; more threads here would slow every other test)."""
+    if os.environ.get("RINGJAX_TEST_THREADS_CHILD"):
+        pytest.fail(f"PJRT_NPROC={threads} did not give the interpreter its threads")
+    env = dict(os.environ, PJRT_NPROC=str(threads), RINGJAX_TEST_THREADS_CHILD="1")
+    env.pop("NPROC", None)
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test}"],
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert child.returncode == 0, f"exit status {child.returncode}:\n{child.stdout[-3000:]}\n{child.stderr[-2000:]}"
+    assert "1 passed" in child.stdout, child.stdout[-3000:]
 
 
 def _config(**kw):
@@ -66,6 +97,9 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_reference(case):
     n, layout, shape_kw, kw = CASES[case]
+    if _too_few_threads(n):  # 8 devices on fewer than 16 cores
+        _in_a_process_with_threads(f"test_matches_reference[{case}]", 2 * n)
+        return
     x = make_inputs(sorted(CASES).index(case) + 50, **shape_kw)
     got = run_ring(x, n, layout=layout, implementation="pallas_tpu_interpret", config=_config(), **kw)
     assert got["out_dtype"] == x["dtype"]
@@ -190,14 +224,14 @@ class _FutureOptions(AttentionOptions):
 @pytest.mark.parametrize(
     "problem, reason",
     [
-        (_problem("tpu", dtype="float16"), "dtype float16 not supported"),
-        (_problem("tpu", head_dim=80), "head_dim 80 not supported"),
+        (_problem("tpu", dtype="float16"), "dtype float16 is not supported"),
+        (_problem("tpu", head_dim=80), "head_dim 80 is not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
-        (_problem("tpu", opts=AttentionOptions(chunk_size=4)), "chunk_size not implemented"),
-        (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "has_alibi not implemented"),
-        (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "dropout_rate not implemented"),
-        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "num_sink_tokens not implemented"),
-        (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule not implemented"),
+        (_problem("tpu", opts=AttentionOptions(chunk_size=4)), "(`chunk_size`) is not implemented"),
+        (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "(`alibi_slopes`) is not implemented"),
+        (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "`dropout_rng`) is not implemented"),
+        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "(`num_sink_tokens`) is not implemented"),
+        (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule is not implemented"),
     ],
 )
 def test_refusals_name_the_reason(problem, reason):
@@ -302,3 +336,77 @@ def test_explicit_config_over_the_vmem_budget_is_refused_before_running():
     with pytest.raises(ValueError, match="VMEM"):
         ringjax.ring_attention(q, k, v, axis_name=None, implementation="pallas_tpu_interpret",
                                config=TpuConfig(block_q=2048, block_kv=2048, interpret=True))
+
+
+# ---------------------------------------------------------------- enough host threads, or a refusal
+
+
+def test_interpreter_refuses_more_devices_than_its_threads_serve(monkeypatch):
+    """2 threads per device: fewer could deadlock XLA's CPU runtime, which then aborts the process."""
+    cpu = len(jax.devices("cpu"))  # 8 (conftest)
+    if cpu < 4:
+        pytest.skip(f"needs 4 CPU devices, {cpu} here")
+    ring = registry.Problem(opts=AttentionOptions(axis_name="sp", axis_size=cpu), batch=1, seq=16, heads=2,
+                            kv_heads=1, head_dim=16, dtype="float32", platform="cpu")
+    monkeypatch.delenv("NPROC", raising=False)
+    monkeypatch.setenv("PJRT_NPROC", "2")  # the pool: max(2, cpu devices) threads
+    why = INTERPRET_IMPLEMENTATION.supports(ring)
+    assert f"on {cpu} devices" in why and f"needs {2 * cpu} threads" in why and f"has {cpu}," in why
+    assert f"PJRT_NPROC={2 * cpu} before jax starts" in why and f"at most {cpu // 2} devices" in why
+    with pytest.raises(ValueError, match=f"pallas_tpu_interpret: on {cpu} devices"):
+        registry.choose("ring_attention", "pallas_tpu_interpret", ring)
+    assert IMPLEMENTATION.supports(dataclasses.replace(ring, platform="tpu")) is None  # only the interpreter
+    # no ring, no mesh: nothing waits for another device
+    assert INTERPRET_IMPLEMENTATION.supports(dataclasses.replace(ring, opts=AttentionOptions())) is None
+    # a mesh in context: only its devices run the computation
+    half = jax.make_mesh((cpu // 2,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices("cpu")[:cpu // 2])
+    with jax.set_mesh(half):
+        assert INTERPRET_IMPLEMENTATION.supports(dataclasses.replace(ring, opts=AttentionOptions(
+            axis_name="sp", axis_size=cpu // 2))) is None
+    monkeypatch.setenv("PJRT_NPROC", str(2 * cpu))
+    assert INTERPRET_IMPLEMENTATION.supports(ring) is None
+    monkeypatch.delenv("PJRT_NPROC")
+    monkeypatch.setenv("NPROC", "1")
+    assert "the larger of NPROC=1 and" in INTERPRET_IMPLEMENTATION.supports(ring)
+
+
+# a new user's first call: global arrays under jax.set_mesh on 8 simulated devices, default config
+USER_CALL = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType
+    import ringjax
+
+    mesh = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 128, 2, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 128, 1, 16)), jnp.float32) for _ in range(2))
+    try:
+        with jax.set_mesh(mesh):
+            out = ringjax.ring_attention(q, k, v, causal=True, implementation="pallas_tpu_interpret")
+    except ValueError as e:
+        print(json.dumps({"refused": str(e)}))
+    else:
+        ref = ringjax.ring_attention(q, k, v, causal=True, axis_name=None, implementation="xla")
+        print(json.dumps({"max_error": float(jnp.abs(out - ref).max())}))
+""")
+
+
+@pytest.mark.parametrize("threads", [None, "16"], ids=["as_the_machine_is", "PJRT_NPROC=16"])
+def test_a_users_call_on_8_devices_gives_a_result_or_a_refusal_never_an_abort(threads):
+    """In a fresh process (the CPU client's threads are fixed when it starts): on a machine with fewer than
+    16 cores the call is refused before any device work, with the remedy; with PJRT_NPROC=16 it runs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=8"]), JAX_PLATFORMS="cpu")
+    if threads is not None:
+        env["PJRT_NPROC"] = threads
+    child = subprocess.run([sys.executable, "-c", USER_CALL], capture_output=True, text=True, env=env, timeout=170)
+    assert child.returncode == 0, f"exit status {child.returncode}:\n{child.stderr[-3000:]}"
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    if "refused" in result:
+        assert threads is None, result["refused"]
+        why = result["refused"]
+        assert "on 8 devices" in why and "cores" in why and "PJRT_NPROC=16" in why, why
+    else:
+        assert result["max_error"] < 1e-5, result

@@ -7,7 +7,11 @@ Pallas TPU interpreter on CPU; only when named explicitly, for tests).
 from __future__ import annotations
 
 import dataclasses
+import os
 
+import jax
+
+from ringjax import _compat
 from ringjax.backends.pallas_tpu import SUPPORT
 from ringjax.backends.pallas_tpu.config import VMEM_BUDGET, TpuConfig, block_size, fit, refusal, sublanes, vmem_bytes
 from ringjax.backends.pallas_tpu.kernels import block_bwd, block_fwd
@@ -36,6 +40,74 @@ def _fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, conf
 FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_tpu_fused", ring_fwd=_fused_forward, ring_bwd=_fused_backward)
 INTERPRETED_FUSED_KERNEL = dataclasses.replace(FUSED_KERNEL, name="pallas_tpu_fused_interpret")
 
+# XLA's CPU client sizes its thread pools as max(the first of these variables that is set, else
+# the cores, and the number of CPU devices) when jax creates the CPU backend (xla::DefaultThreadPoolSize)
+_THREAD_VARIABLES = ("PJRT_NPROC", "NPROC")
+
+
+def host_cores() -> int:
+    """Cores this process may run on, as XLA's CPU client counts them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def xla_cpu_threads(cpu_devices: int) -> tuple[int, str]:
+    """(threads, where the number comes from) of the pool that runs XLA's CPU computations.
+
+    The client reads the environment when jax creates the CPU backend; this reads it now.
+    """
+    for name in _THREAD_VARIABLES:
+        try:
+            value = int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+        return max(value, cpu_devices), f"the larger of {name}={value} and {cpu_devices} CPU devices"
+    cores = host_cores()
+    return max(cores, cpu_devices), f"the larger of {cores} cores and {cpu_devices} CPU devices"
+
+
+def _devices_in_program(problem: Problem) -> int:
+    """How many of this process's CPU devices run the computation the problem belongs to (an upper bound)."""
+    mesh = _compat.context_mesh()  # inside shard_map or under jax.set_mesh: every device of the mesh
+    n = max(problem.opts.axis_size, mesh.size if mesh is not None else 1)
+    if n <= 1:
+        return 1
+    try:
+        local = len(jax.local_devices(backend="cpu"))
+    except RuntimeError:  # no CPU backend: nothing runs in the interpreter anyway
+        return 1
+    return local if mesh is None else min(n, local)  # mesh= given to ring_attention: not in context yet
+
+
+def interpreter_refusal(problem: Problem) -> str | None:
+    """Why the Pallas TPU interpreter could deadlock XLA's CPU runtime on this call, or None.
+
+    Every device's computation runs on threads of one pool. The interpreter holds each
+    device at a barrier (a Python threading.Barrier in a host callback) at the start and
+    end of every kernel until all devices reach it, and XLA's CPU collectives hold each
+    device's thread in a rendezvous until all devices reach it. A device can wait in both at
+    once (the ring sends the next K/V while the current step's kernel runs), so with N
+    devices up to 2N threads wait together; with fewer, the waiting threads can take the whole
+    pool while the devices they wait for are queued behind them, and XLA aborts the process
+    when a collective's rendezvous times out. With at least 2N threads that cannot happen:
+    each device waits in at most one collective (XLA orders a device's collectives) and one
+    kernel (the interpreter orders its kernels).
+    """
+    n = _devices_in_program(problem)
+    if n <= 1:
+        return None  # neither barrier waits for anyone
+    threads, source = xla_cpu_threads(len(jax.local_devices(backend="cpu")))
+    if threads >= 2 * n:
+        return None
+    fewer = max(1, threads // 2)
+    return (f"on {n} devices the Pallas TPU interpreter needs {2 * n} threads in XLA's CPU runtime (each device "
+            f"may wait in a collective and at the interpreter's kernel barrier at once) and has {threads}, "
+            f"{source}: with fewer, the waiting threads can fill the pool while the devices they wait for are "
+            f"queued behind them, and XLA aborts the process. Set the environment variable PJRT_NPROC={2 * n} "
+            f"before jax starts, or run on at most {fewer} device{'s' if fewer > 1 else ''}")
+
 
 @dataclasses.dataclass(frozen=True)
 class TpuImplementation:
@@ -44,7 +116,10 @@ class TpuImplementation:
     interpret: bool = False  # the CPU-interpreter registration
 
     def supports(self, problem: Problem) -> str | None:
-        return SUPPORT.refusal(self.name, problem) or refusal(problem)
+        why = SUPPORT.refusal(self.name, problem) or refusal(problem)
+        if why is None and self.interpret:
+            why = interpreter_refusal(problem)
+        return why
 
     def default_config(self, problem: Problem) -> TpuConfig:
         # about 1024 query rows (all heads of one KV head) per tile keeps the score tile in VMEM
