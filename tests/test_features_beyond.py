@@ -48,7 +48,7 @@ def test_dropout_mask_is_independent_of_ring_size_and_layout(layout):
 def test_dropout_keep_rate_and_key_dependence():
     import jax.numpy as jnp
 
-    from ringjax.core.masks import dropout_keep
+    from ringjax.core.modifiers import dropout_keep
 
     pos = jnp.arange(512, dtype=jnp.int32)
     seed = jax.random.bits(jax.random.key(0), (2,), jnp.uint32)

@@ -42,6 +42,14 @@ def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_si
     full = jnp.broadcast_to(fully_visible(opts, qr, kr), shape)
     if transpose:
         maybe, full = jnp.swapaxes(maybe, 1, 2), jnp.swapaxes(full, 1, 2)
+    return bounds(maybe, full)
+
+
+def bounds(maybe, full):
+    """int32 [..., 4] (lo, flo, fhi, hi) per row of bool [..., m] tables over column blocks.
+
+    [lo, hi) covers every column `maybe` shows; [flo, fhi) only columns `full` shows whole.
+    """
     m = maybe.shape[-1]
     col = jnp.arange(m, dtype=jnp.int32)
     hi = jnp.max(jnp.where(maybe, col + 1, 0), axis=-1)

@@ -42,10 +42,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
 from ringjax.core.masks import TokenInfo, may_skip, visible_pairs
+from ringjax.core.modifiers import LOG2E, logits2
 from ringjax.core.visits import block_starts, range_table
 from ringjax.options import AttentionOptions
 
-_LOG2E = 1.0 / math.log(2.0)
 _LN2 = math.log(2.0)
 _EPI = 32  # float32 columns per epilogue chunk: one 128-byte swizzled row
 # per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
@@ -82,13 +82,14 @@ def _zeros(shape, layout=None):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or plgpu.Layout.WGMMA)
 
 
-def _logits2(qk, opts: AttentionOptions):
-    """Base-2 logits (logits * log2 e) of raw dot products, and tanh of the soft cap (or None)."""
-    if opts.logits_soft_cap is None:
-        return qk * (opts.softmax_scale * _LOG2E), None
-    cap = opts.logits_soft_cap
-    t = jnp.tanh(qk * (opts.softmax_scale / cap))
-    return t * (cap * _LOG2E), t
+def _segments(seg_ref, smem, bar, b, start, size: int, wg, axis: int):
+    """Segment ids of `size` tokens from `start` of batch row b, loaded through this consumer's shared
+    memory in the wgmma layout of a tile's rows (axis 1) or columns (axis 0); None without segments."""
+    if seg_ref is None:
+        return None
+    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(start, size)], smem.at[wg], bar.at[wg])
+    plgpu.barrier_wait(bar.at[wg])
+    return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
 def _mask(opts, shape, row0, col0, walk: _Walk, rows_are_queries: bool, row_seg=None, col_seg=None):
@@ -276,6 +277,7 @@ def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
 
 def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts, walk: _Walk, groups: int,
                 has_seg: bool, emulate: bool):
+    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
     if has_seg:
         qseg_ref, kseg_ref, *refs = refs
     out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, *refs = refs
@@ -299,11 +301,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
-        qseg = None
-        if has_seg:
-            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q0, ROWS)], qseg_smem.at[wg], seg_bar.at[wg])
-            plgpu.barrier_wait(seg_bar.at[wg])
-            qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, q0, ROWS, wg, 1)
         plgpu.barrier_wait(q_bar.at[wg])
 
         end = lo + n
@@ -333,15 +331,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                            emulate=emulate)
             plgpu.barrier_arrive(k_free.at[slot])
             # base-2 logits; without a soft cap the scale stays out of the max and joins exp2 as one FMA
-            scale = opts.softmax_scale * _LOG2E if opts.logits_soft_cap is None else 1.0
+            scale = opts.softmax_scale * LOG2E if opts.logits_soft_cap is None else 1.0
             if opts.logits_soft_cap is not None:
-                s, _ = _logits2(s, opts)
+                s, _ = logits2(s, opts)
             if kind == "masked":
-                kseg = None
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(blk * bk, bk)], kseg_smem.at[wg], seg_bar.at[wg])
-                    plgpu.barrier_wait(seg_bar.at[wg])
-                    kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk * bk, bk, wg, 0)
                 vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
                 s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * scale)
@@ -409,6 +403,24 @@ def _unify_with(args, *outs):
     return [_compat.match_vma(x, *args) for x in outs]
 
 
+def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, groups: int, has_seg: bool,
+            opts: AttentionOptions, config: MosaicGpuConfig):
+    """Run `kernel` on a (heads, `rows` tiles, batch) grid of CTAs of one producer and two consumer
+    warpgroups; outputs come back with the inputs' varying axes."""
+    body = functools.partial(kernel, opts=opts, walk=walk, groups=groups, has_seg=has_seg, emulate=config.interpret)
+    outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("h", rows, "b"),
+                        num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
+                        **_interpret(config))(*args)
+    return _unify_with(args, *outs)
+
+
+def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
+                 transpose: bool = False):
+    """`visits.range_table`, or a placeholder the kernel never reads when the mask hides nothing."""
+    rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
+    return jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+
+
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: MosaicGpuConfig):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
@@ -416,9 +428,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     bk = _fit(s, opts, config.block_kv)
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads)
     has_seg = q_info.seg is not None
-    rng = range_table(opts, q_info, k_info, ROWS, bk)
-    if rng is None:
-        rng = jnp.zeros((1, 1, 4), jnp.int32)  # unread
+    rng = _visit_table(opts, q_info, k_info, ROWS, bk)
     args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk)]
     if has_seg:
         args += [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)]
@@ -445,19 +455,8 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
         scratch.append(plgpu.Barrier(num_barriers=2))
     out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
-    kernel = functools.partial(_fwd_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret)
-    out, lse = plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
-        grid_names=("h", "q", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        **_interpret(config),
-    )(*args)
-    return _unify_with(args, out, lse)
+    return _launch(_fwd_kernel, args, out_type, scratch, grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
+                   rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
 
 
 def _fit(s: int, opts: AttentionOptions, want: int) -> int:
@@ -474,6 +473,7 @@ def _fit(s: int, opts: AttentionOptions, want: int) -> int:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
                walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
     if has_seg:
         qseg_ref, kseg_ref, *refs = refs
     dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem, *refs = refs
@@ -497,11 +497,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_bar.at[2 + wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[b, head, pl.ds(q0, ROWS)], lse_smem.at[wg], q_bar.at[4 + wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[b, head, pl.ds(q0, ROWS)], delta_smem.at[wg], q_bar.at[6 + wg])
-        qseg = None
-        if has_seg:
-            plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(q0, ROWS)], qseg_smem.at[wg], seg_bar.at[wg])
-            plgpu.barrier_wait(seg_bar.at[wg])
-            qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, q0, ROWS, wg, 1)
         for i in range(4):
             plgpu.barrier_wait(q_bar.at[2 * i + wg])
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -519,14 +515,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
             s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))],
                          [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)], emulate)
             plgpu.barrier_arrive(v_free.at[slot])
-            s2, t = _logits2(s, opts)
+            s2, t = logits2(s, opts)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
-                kseg = None
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(blk * bk, bk)], kseg_smem.at[wg], seg_bar.at[wg])
-                    plgpu.barrier_wait(seg_bar.at[wg])
-                    kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk * bk, bk, wg, 0)
                 vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
                 p = jnp.where(vis, p, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
@@ -552,6 +544,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
                 walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
     if has_seg:
         qseg_ref, kseg_ref, *refs = refs
     dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, *refs = refs
@@ -579,11 +572,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
         rows = (b, pl.ds(k0, ROWS), kvh)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_bar.at[2 + wg])
-        kseg = None
-        if has_seg:
-            plgpu.copy_gmem_to_smem(kseg_ref.at[b, pl.ds(k0, ROWS)], kseg_smem.at[wg], seg_bar.at[wg])
-            plgpu.barrier_wait(seg_bar.at[wg])
-            kseg = plgpu.load(kseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+        kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, k0, ROWS, wg, 1)
         plgpu.barrier_wait(kv_bar.at[wg])
         plgpu.barrier_wait(kv_bar.at[2 + wg])
 
@@ -600,16 +589,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                     return carry
 
                 st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
-                st2, t = _logits2(st, opts)
+                st2, t = logits2(st, opts)
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if kind == "masked":
-                    qseg = None
-                    if has_seg:
-                        plgpu.copy_gmem_to_smem(qseg_ref.at[b, pl.ds(blk * bq, bq)], qseg_smem.at[wg],
-                                                seg_bar.at[wg])
-                        plgpu.barrier_wait(seg_bar.at[wg])
-                        qseg = plgpu.load(qseg_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                    qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk * bq, bq, wg, 0)
                     vis = _mask(opts, st.shape, kpos0, qstart_ref[blk], walk, False, kseg, qseg)
                     pt = jnp.where(vis, pt, 0.0)
                 pt16 = pt.astype(q_ref.dtype)
@@ -663,7 +647,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
               config: MosaicGpuConfig):
     has_seg = q_info.seg is not None
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
-    lse2 = jnp.where(jnp.isfinite(lse), lse * _LOG2E, 0.0).astype(jnp.float32)
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
     segs = [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if has_seg else []
     dq = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
@@ -679,8 +663,7 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
     s, g, has_seg, dt = k.shape[1], h // k.shape[2], bool(segs), q.dtype
     bk = _fit(s, opts, config.dq_block_kv)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads)
-    rng = range_table(opts, q_info, k_info, ROWS, bk)
-    rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+    rng = _visit_table(opts, q_info, k_info, ROWS, bk)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *segs])
     tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
     scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
@@ -694,18 +677,9 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    (dq,) = plgpu.kernel(
-        functools.partial(_dq_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret),
-        out_type=[_compat.struct_like((b, t, h, d), jnp.float32, args[0])],
-        scratch_types=scratch,
-        grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
-        grid_names=("h", "q", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        **_interpret(config),
-    )(*args)
-    (dq,) = _unify_with(args, dq)
+    (dq,) = _launch(_dq_kernel, args, [_compat.struct_like((b, t, h, d), jnp.float32, args[0])], scratch,
+                    grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b), rows="q", walk=walk, groups=g,
+                    has_seg=has_seg, opts=opts, config=config)
     return dq
 
 
@@ -717,8 +691,7 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
     tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
     bq = _fit(t, opts, config.dkv_block_q)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True)
-    rng = range_table(opts, k_info, q_info, ROWS, bq, transpose=True)
-    rng = jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+    rng = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS), *segs])
     stream = plgpu.SMEM((walk.stages, bq, d), dt, transforms=_transforms(d, dt))
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
@@ -730,15 +703,5 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
     kv_struct = _compat.struct_like(k.shape, jnp.float32, args[0])
-    dk, dv = plgpu.kernel(
-        functools.partial(_dkv_kernel, opts=opts, walk=walk, groups=g, has_seg=has_seg, emulate=config.interpret),
-        out_type=[kv_struct, kv_struct],
-        scratch_types=scratch,
-        grid=(kvh, walk.n_ctas, b),
-        grid_names=("h", "k", "b"),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=_compiler_params(),
-        **_interpret(config),
-    )(*args)
-    return _unify_with(args, dk, dv)
+    return _launch(_dkv_kernel, args, [kv_struct, kv_struct], scratch, grid=(kvh, walk.n_ctas, b), rows="k",
+                   walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)

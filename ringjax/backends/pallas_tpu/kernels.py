@@ -26,7 +26,7 @@ from jax import lax
 
 from ringjax import _compat
 from ringjax.backends.pallas_tpu.config import TpuConfig, block_size, sublanes
-from ringjax.core import masks
+from ringjax.core import masks, modifiers
 from ringjax.core.masks import BlockRange, TokenInfo
 from ringjax.core.operands import Operands, Refs
 from ringjax.core.tiles import Tiling, block_ranges, matmul_precision
@@ -259,7 +259,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     prec = matmul_precision(q_ref.dtype)
     q = q_ref[...].reshape(tl.rows, tl.head_dim)
     v = v_ref[...]
-    s = masks.logits(_dot(q, k_ref[...], _NT, prec), opts)
+    s = modifiers.logits(_dot(q, k_ref[...], _NT, prec), opts)
     if masks.may_skip(opts):
         s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
     m_prev = m_ref[...].reshape(tl.rows, 1)
@@ -354,7 +354,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
 
 def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec):
     """P and dS = P * (dP - delta) * dlogits/dqk for one tile pair, both [G*bq, bk] f32."""
-    s, slope = masks.logits_and_slope(_dot(q, k, _NT, prec), opts)
+    s, slope = modifiers.logits_and_slope(_dot(q, k, _NT, prec), opts)
     p = jnp.exp(s - lse)
     if masks.may_skip(opts):
         p = mask_rows(p, meta.visible(opts), tl.groups, 0.0)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -38,19 +37,18 @@ from ringjax.core.masks import (
     BlockRange,
     TokenInfo,
     fully_visible,
-    logits,
-    logits_and_slope,
     may_skip,
     maybe_visible,
     visible,
 )
+from ringjax.core.modifiers import LOG2E, logit_slope, logits2
 from ringjax.core.operands import Operands, Refs
 from ringjax.core.tiles import Tiling, block_ranges, matmul_precision
+from ringjax.core.visits import bounds
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
 _NEG_INF = float("-inf")
-_LOG2E = 1.0 / math.log(2.0)
 
 
 # --------------------------------------------------------------------------- visit lists
@@ -86,24 +84,13 @@ def _visit_list(cat):
 
 
 def _range_table(cat):
-    """int32 [Bl, n, 4] per row of `cat` [Bl, n, m]: lo <= flo <= fhi <= hi.
+    """int32 [Bl, n, 4] per row of `cat` [Bl, n, m]: lo <= flo <= fhi <= hi (`visits.bounds`).
 
-    [lo, hi) covers every visible column; [flo, fhi) holds fully visible columns only.
-    Exact for any mask: columns of [lo, hi) outside [flo, fhi) get the element mask, and
-    if the fully visible columns are not contiguous none is treated as fully visible.
-    For position-only masks on monotone positions (every layout) both sets are
-    contiguous, so nothing hidden is visited and nothing visible is masked needlessly.
+    Exact for any mask: columns of [lo, hi) outside [flo, fhi) get the element mask. For
+    position-only masks on monotone positions (every layout) both sets are contiguous, so
+    nothing hidden is visited and nothing visible is masked needlessly.
     """
-    m = cat.shape[-1]
-    col = jnp.arange(m, dtype=jnp.int32)
-    vis, full = cat < 2, cat == 0
-    hi = jnp.max(jnp.where(vis, col + 1, 0), axis=-1)
-    lo = jnp.minimum(jnp.min(jnp.where(vis, col, m), axis=-1), hi)
-    fhi = jnp.max(jnp.where(full, col + 1, 0), axis=-1)
-    flo = jnp.min(jnp.where(full, col, m), axis=-1)
-    contiguous = (fhi > flo) & (fhi - flo == full.sum(axis=-1))
-    flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
-    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+    return bounds(cat < 2, cat == 0)
 
 
 def _tables(mode: str, cat):
@@ -140,17 +127,6 @@ def _dot(a, b, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
 
 
-def _logits2(qk, opts: AttentionOptions):
-    """Logits in base 2 (logits * log2 e, so exp2 replaces exp) and their slope d logits / d qk.
-
-    Without a soft cap the log2 e factor folds into the scale: one multiply per score.
-    """
-    if opts.logits_soft_cap is None:
-        return logits(qk, dataclasses.replace(opts, softmax_scale=opts.softmax_scale * _LOG2E)), opts.softmax_scale
-    s, slope = logits_and_slope(qk, opts)
-    return s * _LOG2E, slope
-
-
 def _q_block(opts: AttentionOptions, nq: int, i):
     """Causal: the last query blocks have the most keys; launch them first."""
     return nq - 1 - i if opts.causal else i
@@ -177,7 +153,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         m, denom, acc = carry
         keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
         k, v = r.k[keys, :], r.v[keys, :]
-        s, _ = _logits2(_dot(q, k, trans_b=True), opts)
+        s, _ = logits2(_dot(q, k, trans_b=True), opts)
         if masked:
             s = jnp.where(_mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), s.shape), s, _NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -199,7 +175,8 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
 
 def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
     """P, dS (both [bq, bk], float32) of one block pair; lse2 = lse * log2 e; `mask` is None or bool."""
-    s, slope = _logits2(_dot(q, k, trans_b=True), opts)
+    s, t = logits2(_dot(q, k, trans_b=True), opts)
+    slope = logit_slope(t, opts)
     p = jnp.exp2(s - lse2[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
@@ -366,7 +343,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     step = _Step.of(q, k, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv)
     tl = step.tl
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
-    lse2, delta = finite_or_zero(lse) * _LOG2E, delta.astype(jnp.float32)
+    lse2, delta = finite_or_zero(lse) * LOG2E, delta.astype(jnp.float32)
     tokens = ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32)
 
     dq = None

@@ -12,19 +12,8 @@ from jax import lax
 
 from ringjax import _compat
 from ringjax.backends.xla.config import XlaConfig
-from ringjax.core.masks import (
-    BlockRange,
-    Extras,
-    TokenInfo,
-    alibi_distance,
-    dropout_batch_head,
-    dropout_keep,
-    logits,
-    logits_and_slope,
-    may_skip,
-    maybe_visible,
-    visible,
-)
+from ringjax.core.masks import BlockRange, Extras, TokenInfo, may_skip, maybe_visible, visible
+from ringjax.core.modifiers import alibi_distance, dropout_batch_head, dropout_keep, logits, logits_and_slope
 from ringjax.core.tiles import Tiling, block_ranges, matmul_precision, pick_block
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions

@@ -1,0 +1,91 @@
+"""The score modifiers, written once as functions on values that every kernel calls.
+
+Logits (scale and soft cap, in natural or base-2 units, with their slope for the backward),
+ALiBi's distance term, and dropout's counter-based keep mask. Kernels apply them to whatever
+tile they hold: XLA arrays, Triton blocks or Mosaic GPU register tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from ringjax.options import AttentionOptions
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def logits(qk: jnp.ndarray, opts: AttentionOptions) -> jnp.ndarray:
+    """Scaled (and soft-capped) logits from raw float32 dot products."""
+    s = qk * opts.softmax_scale
+    if opts.logits_soft_cap is not None:
+        cap = opts.logits_soft_cap
+        s = cap * jnp.tanh(s / cap)
+    return s
+
+
+def logits2(qk, opts: AttentionOptions):
+    """Base-2 logits (logits * log2 e, so exp2 replaces exp) of raw dot products, and tanh of the
+    soft cap (None without one). Without a soft cap log2 e folds into the scale: one multiply."""
+    if opts.logits_soft_cap is None:
+        return qk * (opts.softmax_scale * LOG2E), None
+    cap = opts.logits_soft_cap
+    t = jnp.tanh(qk * (opts.softmax_scale / cap))
+    return t * (cap * LOG2E), t
+
+
+def logit_slope(t, opts: AttentionOptions):
+    """d logits / d qk from `logits2`'s tanh (t is None without a soft cap)."""
+    if t is None:
+        return opts.softmax_scale
+    return opts.softmax_scale * (1.0 - t * t)
+
+
+def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Logits and their derivative with respect to the raw dot product."""
+    s = qk * opts.softmax_scale
+    if opts.logits_soft_cap is None:
+        return s, jnp.asarray(opts.softmax_scale, qk.dtype)
+    t = jnp.tanh(s / opts.logits_soft_cap)
+    return opts.logits_soft_cap * t, opts.softmax_scale * (1.0 - t * t)
+
+
+def alibi_distance(q_pos, k_pos) -> jnp.ndarray:
+    """-|i - j| [Tq, Tk] float32: ALiBi adds slope[h] times this to the logits (after the soft cap)."""
+    return -jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+
+
+def _fmix32(x):
+    # murmur3's finaliser: a bijection on uint32 with full avalanche
+    x ^= x >> 16
+    x *= jnp.uint32(0x85EBCA6B)
+    x ^= x >> 13
+    x *= jnp.uint32(0xC2B2AE35)
+    x ^= x >> 16
+    return x
+
+
+def dropout_batch_head(head_slice, batch_index, head_index, local_heads: int):
+    """The (batch, head) counter of the dropout hash: b * heads + h, in global head indices.
+
+    `batch_index` and `head_index` are local and broadcast; `head_slice` is `Extras.head_slice`.
+    """
+    if head_slice is None:
+        return batch_index * local_heads + head_index
+    return batch_index * head_slice[1] + head_slice[0] + head_index
+
+
+def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:
+    """Counter-based dropout mask: a pure function of (seed, batch*heads+head, i, j).
+
+    `batch_head` broadcasts against [Tq, Tk] (e.g. shape [B, H, 1, 1]); the same key
+    and global positions give the same mask on any ring size and layout.
+    """
+    qp = q_pos.astype(jnp.uint32)[:, None]
+    kp = k_pos.astype(jnp.uint32)[None, :]
+    x = _fmix32(qp * jnp.uint32(0x9E3779B1) ^ (kp * jnp.uint32(0x85EBCA77) + jnp.uint32(0x27D4EB2F)))
+    x = _fmix32(x ^ (batch_head.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D) + seed[0]))
+    x = _fmix32(x ^ seed[1])
+    threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    return x >= threshold
