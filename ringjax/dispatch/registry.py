@@ -167,5 +167,6 @@ def feature_table(op: str = "ring_attention") -> str:
     """The coverage table (markdown) of every implementation "auto" may pick, from their `Support`."""
     from ringjax.core.features import markdown_table
 
-    regs = sorted((r for r in registrations(op) if r.auto and r.support is not None), key=lambda r: r.priority)
-    return markdown_table([(r.name, r.support) for r in regs])
+    columns = [(r.name, r.support) for r in sorted(registrations(op), key=lambda r: r.priority)
+               if r.auto and r.support is not None]
+    return markdown_table(columns)
