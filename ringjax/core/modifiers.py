@@ -35,11 +35,16 @@ def logits2(qk, opts: AttentionOptions):
     return t * (cap * LOG2E), t
 
 
+def cap_slope(t):
+    """d (cap * tanh(s / cap)) / ds from its tanh t: the soft cap's factor in the backward."""
+    return 1.0 - t * t
+
+
 def logit_slope(t, opts: AttentionOptions):
     """d logits / d qk from `logits2`'s tanh (t is None without a soft cap)."""
     if t is None:
         return opts.softmax_scale
-    return opts.softmax_scale * (1.0 - t * t)
+    return opts.softmax_scale * cap_slope(t)
 
 
 def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -48,7 +53,7 @@ def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarr
     if opts.logits_soft_cap is None:
         return s, jnp.asarray(opts.softmax_scale, qk.dtype)
     t = jnp.tanh(s / opts.logits_soft_cap)
-    return opts.logits_soft_cap * t, opts.softmax_scale * (1.0 - t * t)
+    return opts.logits_soft_cap * t, opts.softmax_scale * cap_slope(t)
 
 
 def alibi_distance(q_pos, k_pos) -> jnp.ndarray:

@@ -1,4 +1,4 @@
-"""Which key blocks each 64-row tile visits, decided in XLA before the launch.
+"""Which blocks of the other operand each row tile visits, decided in XLA before the launch.
 
 Per tile a row of four bounds lo <= flo <= fhi <= hi over the other operand's blocks:
 [lo, hi) covers every block the mask may show, [flo, fhi) only blocks it shows whole (no
@@ -16,12 +16,27 @@ from ringjax.core.tiles import block_ranges
 from ringjax.options import AttentionOptions
 
 
-def _ranges(info: TokenInfo, size: int, pos_axis: int, seg_axis: int) -> BlockRange:
-    """`tiles.block_ranges` with positions along `pos_axis` and segment ids along `seg_axis` (broadcastable)."""
+def _ranges(info: TokenInfo, size: int, pos_axis: int, row_axis: int) -> BlockRange:
+    """`tiles.block_ranges` shaped to broadcast: positions along `pos_axis`, per-row fields along `row_axis`."""
     r = block_ranges(info, size)
-    pos = [jnp.expand_dims(x, pos_axis) for x in (r.pos_lo, r.pos_hi)]
-    seg = [None if x is None else jnp.expand_dims(x, seg_axis) for x in (r.seg_lo, r.seg_hi)]
-    return BlockRange(*pos, *seg)
+
+    def at(x, axis):
+        return None if x is None else jnp.expand_dims(x, axis)
+
+    return BlockRange(at(r.pos_lo, pos_axis), at(r.pos_hi, pos_axis), at(r.seg_lo, row_axis), at(r.seg_hi, row_axis),
+                      at(r.segpos_lo, row_axis))
+
+
+def block_tables(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInfo, bq: int, bk: int):
+    """bool [Bl, nq, nk] `maybe_visible` and `fully_visible` of every (query block, key block) pair.
+
+    Bl is the batch with segments, else 1.
+    """
+    qr, kr = _ranges(q_info, bq, 1, 2), _ranges(k_info, bk, 0, 1)  # pos [nq, 1] / [1, nk], seg [B, nq, 1] / [B, 1, nk]
+    batch = q_info.seg.shape[0] if q_info.seg is not None else 1
+    shape = (batch, qr.pos_lo.shape[0], kr.pos_lo.shape[1])
+    return (jnp.broadcast_to(maybe_visible(opts, qr, kr), shape),
+            jnp.broadcast_to(fully_visible(opts, qr, kr), shape))
 
 
 def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
@@ -35,11 +50,7 @@ def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_si
         return None
     q_info, k_info = (cols, rows) if transpose else (rows, cols)
     bq, bk = (col_size, row_size) if transpose else (row_size, col_size)
-    qr, kr = _ranges(q_info, bq, 1, 2), _ranges(k_info, bk, 0, 1)  # pos [nq, 1] / [1, nk]
-    batch = q_info.seg.shape[0] if q_info.seg is not None else 1
-    shape = (batch, qr.pos_lo.shape[0], kr.pos_lo.shape[1])
-    maybe = jnp.broadcast_to(maybe_visible(opts, qr, kr), shape)
-    full = jnp.broadcast_to(fully_visible(opts, qr, kr), shape)
+    maybe, full = block_tables(opts, q_info, k_info, bq, bk)
     if transpose:
         maybe, full = jnp.swapaxes(maybe, 1, 2), jnp.swapaxes(full, 1, 2)
     return bounds(maybe, full)

@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
 from ringjax.core.masks import TokenInfo, may_skip, visible_pairs
-from ringjax.core.modifiers import LOG2E, logits2
+from ringjax.core.modifiers import LOG2E, cap_slope, logits2
 from ringjax.core.visits import block_starts, range_table
 from ringjax.options import AttentionOptions
 
@@ -82,12 +82,12 @@ def _zeros(shape, layout=None):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or plgpu.Layout.WGMMA)
 
 
-def _segments(seg_ref, smem, bar, b, start, size: int, wg, axis: int):
-    """Segment ids of `size` tokens from `start` of batch row b, loaded through this consumer's shared
+def _segments(seg_ref, smem, bar, b, block, size: int, wg, axis: int):
+    """Segment ids of block `block` of `size` tokens of batch row b, loaded through this consumer's shared
     memory in the wgmma layout of a tile's rows (axis 1) or columns (axis 0); None without segments."""
     if seg_ref is None:
-        return None
-    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(start, size)], smem.at[wg], bar.at[wg])
+        return None  # before any index arithmetic: kernels without segments trace none of it
+    plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(block * size, size)], smem.at[wg], bar.at[wg])
     plgpu.barrier_wait(bar.at[wg])
     return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(axis))
 
@@ -301,7 +301,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
-        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, q0, ROWS, wg, 1)
+        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         plgpu.barrier_wait(q_bar.at[wg])
 
         end = lo + n
@@ -335,7 +335,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             if opts.logits_soft_cap is not None:
                 s, _ = logits2(s, opts)
             if kind == "masked":
-                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk * bk, bk, wg, 0)
+                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
                 vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
                 s = jnp.where(vis, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * scale)
@@ -497,7 +497,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
         plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_bar.at[2 + wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[b, head, pl.ds(q0, ROWS)], lse_smem.at[wg], q_bar.at[4 + wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[b, head, pl.ds(q0, ROWS)], delta_smem.at[wg], q_bar.at[6 + wg])
-        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, q0, ROWS, wg, 1)
+        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         for i in range(4):
             plgpu.barrier_wait(q_bar.at[2 * i + wg])
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -518,12 +518,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
             s2, t = logits2(s, opts)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
-                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk * bk, bk, wg, 0)
+                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
                 vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
                 p = jnp.where(vis, p, 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
             if t is not None:
-                ds = ds * (1.0 - t * t)
+                ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
 
             (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
@@ -572,7 +572,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
         rows = (b, pl.ds(k0, ROWS), kvh)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_bar.at[2 + wg])
-        kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, k0, ROWS, wg, 1)
+        kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         plgpu.barrier_wait(kv_bar.at[wg])
         plgpu.barrier_wait(kv_bar.at[2 + wg])
 
@@ -593,7 +593,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if kind == "masked":
-                    qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk * bq, bq, wg, 0)
+                    qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
                     vis = _mask(opts, st.shape, kpos0, qstart_ref[blk], walk, False, kseg, qseg)
                     pt = jnp.where(vis, pt, 0.0)
                 pt16 = pt.astype(q_ref.dtype)
@@ -603,7 +603,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                 delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                 if t is not None:
-                    dst = dst * (1.0 - t * t)
+                    dst = dst * cap_slope(t)
                 dst16 = dst.astype(q_ref.dtype)
 
                 (dk,) = _mma([dk], [(dst16, q_smem.at[slot], False)], emulate)

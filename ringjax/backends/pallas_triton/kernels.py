@@ -33,18 +33,11 @@ from jax.experimental.pallas import triton as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_triton._atomics import atomic_add
 from ringjax.backends.pallas_triton.config import GpuConfig, block_sizes
-from ringjax.core.masks import (
-    BlockRange,
-    TokenInfo,
-    fully_visible,
-    may_skip,
-    maybe_visible,
-    visible,
-)
+from ringjax.core.masks import TokenInfo, may_skip, visible
 from ringjax.core.modifiers import LOG2E, logit_slope, logits2
 from ringjax.core.operands import Operands, Refs
-from ringjax.core.tiles import Tiling, block_ranges, matmul_precision
-from ringjax.core.visits import bounds
+from ringjax.core.tiles import Tiling, matmul_precision
+from ringjax.core.visits import block_tables, bounds
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
@@ -54,24 +47,9 @@ _NEG_INF = float("-inf")
 # --------------------------------------------------------------------------- visit lists
 
 
-def _expand(r: BlockRange, pos_axis: int, row_axis: int) -> BlockRange:
-    """Block ranges shaped to broadcast: positions along `pos_axis`, per-row fields along `row_axis`."""
-
-    def at(x, axis):
-        return None if x is None else jnp.expand_dims(x, axis)
-
-    return BlockRange(at(r.pos_lo, pos_axis), at(r.pos_hi, pos_axis), at(r.seg_lo, row_axis), at(r.seg_hi, row_axis),
-                      at(r.segpos_lo, row_axis))
-
-
 def _categories(opts, q_info, k_info, bq, bk):
     """int32 [Bl, nq, nk]: 0 fully visible, 1 partly visible, 2 hidden (Bl = B with segments, else 1)."""
-    qr = _expand(block_ranges(q_info, bq), 1, 2)  # pos [nq, 1], seg [B, nq, 1]
-    kr = _expand(block_ranges(k_info, bk), 0, 1)  # pos [1, nk], seg [B, 1, nk]
-    rows = q_info.seg.shape[0] if q_info.seg is not None else 1
-    shape = (rows, q_info.pos.shape[0] // bq, k_info.pos.shape[0] // bk)
-    maybe = jnp.broadcast_to(maybe_visible(opts, qr, kr), shape)
-    full = jnp.broadcast_to(fully_visible(opts, qr, kr), shape)
+    maybe, full = block_tables(opts, q_info, k_info, bq, bk)
     return jnp.where(full, 0, jnp.where(maybe, 1, 2)).astype(jnp.int32)
 
 
