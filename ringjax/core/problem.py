@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -129,7 +130,18 @@ def config_from_json(config_type: type, data: Any):
 
 
 class KernelConfig:
-    """Base of the backends' frozen-dataclass configs: field checks and a JSON round trip."""
+    """Base of the backends' frozen-dataclass configs: field checks and a JSON round trip.
+
+    `__post_init__` checks each field declared with its rule (`int_field` and the shorthands
+    beside it) and that each field annotated `bool` holds a bool.
+    """
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if "valid" in f.metadata:
+                self._check_ints((f.name,), f.metadata["valid"], f.metadata["expected"])
+            elif f.type in (bool, "bool"):
+                self._check_bools((f.name,))
 
     def _check_ints(self, names, valid, expected: str) -> None:
         """ValueError naming `Type.field` unless each named field is an int (not a bool) with valid(value)."""
@@ -150,6 +162,28 @@ class KernelConfig:
     @classmethod
     def from_json(cls, text: str):
         return config_from_json(cls, json.loads(text))
+
+
+def int_field(valid: Callable[[int], bool], expected: str, *, default: int) -> Any:
+    """A KernelConfig int field: ValueError naming it unless its value is an int (not a bool) with
+    `valid(value)`; `expected` says which ints those are."""
+    return dataclasses.field(default=default, metadata={"valid": valid, "expected": expected})
+
+
+def one_of(choices: tuple[int, ...], *, default: int, expected: str | None = None) -> Any:
+    return int_field(lambda v: v in choices, expected or f"one of {choices}", default=default)
+
+
+def int_in(low: int, high: int, *, default: int) -> Any:
+    return int_field(lambda v: low <= v <= high, f"an int in [{low}, {high}]", default=default)
+
+
+def power_of_two(minimum: int, *, default: int) -> Any:
+    return int_field(lambda v: v >= minimum and v & (v - 1) == 0, f"a power of two >= {minimum}", default=default)
+
+
+def positive(*, default: int) -> Any:
+    return int_field(lambda v: v >= 1, "a positive int", default=default)
 
 
 def _to_json(value, where: str):

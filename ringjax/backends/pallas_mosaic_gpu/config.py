@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ringjax.core.problem import KernelConfig
+from ringjax.core.problem import KernelConfig, int_in, one_of
 
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
@@ -26,20 +26,14 @@ class MosaicGpuConfig(KernelConfig):
     cores).
     """
 
-    block_kv: int = 128
-    num_stages: int = 2
-    dq_block_kv: int = 64
-    dq_num_stages: int = 2
-    dkv_block_q: int = 64
-    dkv_num_stages: int = 3
+    block_kv: int = one_of(_BLOCKS, default=128)
+    num_stages: int = int_in(2, 6, default=2)
+    dq_block_kv: int = one_of(_BLOCKS, default=64)
+    dq_num_stages: int = int_in(2, 6, default=2)
+    dkv_block_q: int = one_of(_BLOCKS, default=64)
+    dkv_num_stages: int = int_in(2, 6, default=3)
     pair_heads: bool = True
     interpret: bool = False
-
-    def __post_init__(self):
-        self._check_ints(("block_kv", "dq_block_kv", "dkv_block_q"), lambda v: v in _BLOCKS, f"one of {_BLOCKS}")
-        self._check_ints(("num_stages", "dq_num_stages", "dkv_num_stages"), lambda v: 2 <= v <= 6,
-                         "an int in [2, 6]")
-        self._check_bools(("pair_heads", "interpret"))
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> dict[str, int]:
         """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ringjax.core.problem import KernelConfig
+from ringjax.core.problem import KernelConfig, positive
 from ringjax.core.tiles import divisor_block, pick_block
 from ringjax.options import AttentionOptions
 
@@ -34,15 +34,14 @@ class TpuConfig(KernelConfig):
       every race it finds and `ringjax.backends.pallas_tpu.kernels.races_found()` reports them.
     """
 
-    block_q: int = 256
-    block_kv: int = 512
+    block_q: int = positive(default=256)
+    block_kv: int = positive(default=512)
     fused: bool = False
     interpret: bool = False
     detect_races: bool = False
 
     def __post_init__(self):
-        self._check_ints(("block_q", "block_kv"), lambda v: v >= 1, "a positive int")
-        self._check_bools(("fused", "interpret", "detect_races"))
+        super().__post_init__()
         if self.detect_races and not self.interpret:
             raise ValueError("TpuConfig.detect_races needs interpret=True (races are detected by the interpreter)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ringjax.core.problem import KernelConfig
+from ringjax.core.problem import KernelConfig, int_in, one_of, power_of_two
 from ringjax.core.tiles import pick_block
 from ringjax.options import AttentionOptions
 
@@ -18,8 +18,8 @@ MIN_CAPABILITY = (8, 0)  # bfloat16 dots and the async copies Triton pipelines w
 ASSUMED_CAPABILITY = (9, 0)
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+def _warps(*, default: int):
+    return one_of((1, 2, 4, 8, 16), default=default, expected="one of 1, 2, 4, 8, 16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,23 +33,16 @@ class GpuConfig(KernelConfig):
     matmuls per block pair instead of 7; the summation order of dQ is then not fixed).
     """
 
-    block_q: int = 128
-    block_kv: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
-    bwd_block_q: int = 64
-    bwd_block_kv: int = 64
-    bwd_num_warps: int = 4
-    bwd_num_stages: int = 2
+    block_q: int = power_of_two(MIN_BLOCK, default=128)
+    block_kv: int = power_of_two(MIN_BLOCK, default=128)
+    num_warps: int = _warps(default=8)
+    num_stages: int = int_in(1, 8, default=3)
+    bwd_block_q: int = power_of_two(MIN_BLOCK, default=64)
+    bwd_block_kv: int = power_of_two(MIN_BLOCK, default=64)
+    bwd_num_warps: int = _warps(default=4)
+    bwd_num_stages: int = int_in(1, 8, default=2)
     bwd_fused: bool = False
     interpret: bool = False
-
-    def __post_init__(self):
-        self._check_ints(("block_q", "block_kv", "bwd_block_q", "bwd_block_kv"),
-                         lambda v: _is_pow2(v) and v >= MIN_BLOCK, f"a power of two >= {MIN_BLOCK}")
-        self._check_ints(("num_warps", "bwd_num_warps"), lambda v: v in (1, 2, 4, 8, 16), "one of 1, 2, 4, 8, 16")
-        self._check_ints(("num_stages", "bwd_num_stages"), lambda v: 1 <= v <= 8, "an int in [1, 8]")
-        self._check_bools(("bwd_fused", "interpret"))
 
 
 def block_sizes(opts: AttentionOptions, t: int, s: int, want_q: int, want_kv: int) -> tuple[int, int]:
