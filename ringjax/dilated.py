@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from ringjax import _compat
 from ringjax.api import ring_attention
@@ -30,7 +30,7 @@ from ringjax.dispatch import calling
 from ringjax.dispatch.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention_many
-from ringjax.options import check_inputs, checked_keywords, chunks_per_shard, make_options, option_inputs
+from ringjax.options import check_inputs, chunks_per_shard, keywords_of, make_options, option_inputs
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -161,7 +161,8 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
     return out, lse
 
 
-@checked_keywords
+@keywords_of(ring_attention, omit=("chunk_size", "alibi_slopes", "dropout_rate", "dropout_rng", "num_sink_tokens",
+                                     "strategy"))
 def dilated_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
@@ -169,19 +170,8 @@ def dilated_attention(
     *,
     segment_lengths: int | Sequence[int],
     dilation_rates: int | Sequence[int],
-    axis_name: str | None = "sp",
-    causal: bool = False,
-    sliding_window: int | tuple[int, int] | None = None,
-    segment_ids: Int[Array, "batch seq"] | None = None,
-    softmax_scale: float | None = None,
-    logits_soft_cap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    mesh=None,
-    implementation: str = "auto",
-    config=None,
-    autotune: str | None = None,
+    axis_name: str | None = "sp",  # declared here: one axis, never ring_attention's (head_axis, ring_axis) pair
+    **options,
 ):
     """LongNet dilated attention, exact over the ring; calling modes as `ring_attention`.
 
@@ -201,19 +191,19 @@ def dilated_attention(
     The other keywords are those of `ring_attention` (`ringjax.options.KEYWORDS`, same defaults); the ones
     not listed here (chunk_size, alibi_slopes, dropout, num_sink_tokens, strategy) raise a TypeError.
     """
-    arguments = dict(locals())  # first: the arguments by name, before any is rebound
     branches = _branches(segment_lengths, dilation_rates)
-    call = calling.resolve(axis_name, mesh)
+    call = calling.resolve(axis_name, options["mesh"])
+    layout, segment_ids, sinks, return_lse = (options[n] for n in ("layout", "segment_ids", "sinks", "return_lse"))
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_inputs(q, k, v, segment_ids, sinks, axis_size=call.axis_size, layout=layout, local=not call.is_global)
-    opts = make_options(q, axis_name=axis_name, axis_size=call.axis_size, **option_inputs(arguments))
+    opts = make_options(q, axis_name=axis_name, axis_size=call.axis_size, **option_inputs(options))
     seq = q.shape[1]
     local_len = seq // call.axis_size if call.is_global else seq
     _check_layout(layout, branches, call.axis_size, local_len)
-    ring_kw = dict(causal=causal, window=opts.window, softmax_scale=opts.softmax_scale,
-                   logits_soft_cap=opts.logits_soft_cap, implementation=implementation, config=config,
-                   autotune=autotune)
+    ring_kw = dict(causal=options["causal"], window=opts.window, softmax_scale=opts.softmax_scale,
+                   logits_soft_cap=opts.logits_soft_cap, implementation=options["implementation"],
+                   config=options["config"], autotune=options["autotune"])
     per_device_kw = dict(branches=branches, axis_name=axis_name, axis_size=call.axis_size, layout=layout,
                          global_len=local_len * call.axis_size)
 

@@ -357,12 +357,35 @@ def checked_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
     The signature stays `fn`'s own, for users, IDEs and type checkers.
     """
-    accepted = frozenset(name for name, p in inspect.signature(fn).parameters.items()
+    return _checked(fn, inspect.signature(fn), {})
+
+
+def keywords_of(source: Callable, *, omit: Collection[str]) -> Callable[[Callable[..., R]], Callable[..., R]]:
+    """Decorator: `fn(..., **options)` takes the keyword-only arguments of `source` but `omit`, as `source`
+    declares them; `options` holds each of them, absent ones at their default.
+
+    A keyword `fn` declares itself keeps its own declaration. `fn`'s signature (for users and `help`) lists
+    them all; a keyword it lacks raises `check_keywords`' TypeError.
+    """
+    def decorate(fn: Callable[..., R]) -> Callable[..., R]:
+        own = inspect.signature(fn)
+        taken = [p for name, p in inspect.signature(source).parameters.items()
+                 if p.kind == p.KEYWORD_ONLY and name not in omit and name not in own.parameters]
+        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD] + taken
+        return _checked(fn, own.replace(parameters=params), {p.name: p.default for p in taken})
+
+    return decorate
+
+
+def _checked(fn: Callable[..., R], signature: inspect.Signature, defaults: dict[str, Any]) -> Callable[..., R]:
+    """`fn` that shows `signature`, checks keywords against it and fills `defaults` in."""
+    accepted = frozenset(name for name, p in signature.parameters.items()
                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
     @functools.wraps(fn)
-    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+    def checked(*args, **kwargs):
         check_keywords(fn.__name__, kwargs, accepted)
-        return fn(*args, **kwargs)
+        return fn(*args, **{**defaults, **kwargs})
 
+    checked.__signature__ = signature  # type: ignore[attr-defined]
     return checked
