@@ -327,6 +327,46 @@ def run_coverage(args, rec: Recorder):
         del inputs_by_shape
 
 
+PRECISION_IMPLEMENTATIONS = ("xla", "pallas_triton", "auto")
+
+
+def run_precision(args, rec: Recorder):
+    """float32 on one device under each jax matmul precision: ringjax's implementations and
+    jax.nn.dot_product_attention, all against jax.nn's XLA attention at "highest"."""
+    shape = dataclasses.replace(args.shape, dtype="float32")
+    for t in args.seqs:
+        inputs = random_inputs(shape, t)
+        with jax.default_matmul_precision("highest"):
+            ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                        implementation="xla"))(*inputs[:3])
+        flops = shape.flops(t, True)
+        for precision in progress(args.precisions, f"precision T={t}"):
+            baseline = None
+            for library, implementation in [("jax.nn", None)] + [("ringjax", i) for i in PRECISION_IMPLEMENTATIONS]:
+                case = {"library": library, "asked": implementation or "jax.nn", "precision": precision, "T": t,
+                        "causal": True, **dataclasses.asdict(shape)}
+                attn = (ringjax_attention(implementation, True) if library == "ringjax"
+                        else lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
+                start = time.perf_counter()
+                try:
+                    with jax.default_matmul_precision(precision):  # read when the calls are traced
+                        timing, out = timed(attn, inputs, flops, args)
+                except ValueError as e:  # an implementation that refuses this call (dtype, precision, platform)
+                    rec.add(case, skipped=" ".join(str(e).split()[-60:]))  # the reason ends the message
+                    continue
+                except Exception as e:  # noqa: BLE001
+                    rec.add(case, error=failure(e))
+                    continue
+                if library == "jax.nn":
+                    timing = {**{k: v for k, v in timing.items() if k != "note"}, "implementation": "jax.nn"}
+                    baseline = timing
+                vs = ratios(timing, baseline) if baseline and library != "jax.nn" else None
+                rec.add(case, **timing, **errors(out, ref), reference="jax.nn xla, highest", vs_jax_nn=vs,
+                        wall_s=significant(time.perf_counter() - start, 3))
+                del out
+        del inputs, ref
+
+
 def peak_memory(devices) -> dict:
     """Peak bytes in use over `devices` from `memory_stats()`, where the platform reports it."""
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
@@ -468,6 +508,21 @@ def table_coverage(rows):
                      tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")])
     return markdown_table(["T", "feature", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "fwd vs plain",
                            "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"], body)
+
+
+def table_precision(rows):
+    body = []
+    for r in rows:
+        c = r["case"]
+        if "fwd_tflops" not in r:
+            body.append([kilo(c["T"]), c["precision"], c["asked"], "skipped (below)" if "skipped" in r else "failed"]
+                        + ["—"] * 6)
+            continue
+        vs = r.get("vs_jax_nn") or {}
+        body.append([kilo(c["T"]), c["precision"], c["asked"], r.get("implementation"), r.get("fwd_tflops"),
+                     r.get("fwd_bwd_tflops"), vs.get("fwd"), vs.get("fwd_bwd"), r.get("rel_err"), r.get("wall_s")])
+    return markdown_table(["T", "precision", "asked", "ran", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "fwd vs jax.nn",
+                           "fwd+bwd vs jax.nn", "rel err", "wall s"], body)
 
 
 def table_million(rows):
@@ -678,6 +733,14 @@ SUITES = {
         label="feature",
         devices="one", defaults={"seqs": [8192, 32768], "window": 1024, "chunk": 2048},
         tiny={"seqs": [256], "window": 64, "chunk": 64}),
+    "precision": Suite(
+        run_precision, table_precision, None,
+        help="float32 under jax's matmul precisions: xla, pallas_triton, auto and jax.nn on one device",
+        caption=f"float32, causal, one device. {COUNT}. precision: `jax.default_matmul_precision` around the "
+                "call (default: TF32 on GPUs; highest: full float32). rel err: the output against "
+                "jax.nn's XLA attention at highest. wall s: the row's measurement, compiles included.",
+        label="asked", devices="one", defaults={"seqs": [8192], "precisions": ["default", "highest"]},
+        tiny={"seqs": [256]}),
     "million": Suite(
         run_million, table_million, None,
         help="1M tokens causal zigzag fwd+bwd over all local devices: seconds, TFLOP/s, memory",
@@ -737,6 +800,10 @@ def parser() -> argparse.ArgumentParser:
                                 "(default: all)")
             s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
             s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' (default 2048)")
+        if name == "precision":
+            s.add_argument("--precisions", type=lambda x: x.split(","),
+                           help="comma-separated jax matmul precisions (default default,highest; also e.g. "
+                                "tensorfloat32, F32_F32_F32)")
         if name == "million":
             s.add_argument("--tokens", type=int, help="total tokens (default 1048576)")
             s.add_argument("--check-max-tokens", type=int, default=32768,

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ringjax import _compat
+from ringjax.core import precision
 from ringjax.core.masks import Extras
 from ringjax.dispatch import autotuning, calling, registry
 from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
@@ -92,6 +93,7 @@ def ring_attention(
         head_dim=head_dim,
         dtype=str(q.dtype),
         platform=registry.current_platform(),
+        precision=precision.current(q.dtype),  # jax's matmul precision now, while the call is traced
     )
     if strategy == "auto":
         strat = strategy_auto.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,

@@ -16,3 +16,22 @@ def _isolated_config_cache(tmp_path_factory):
         mp.setenv("RINGJAX_CACHE_DIR", str(tmp_path_factory.mktemp("ringjax-cache")))
         mp.delenv("RINGJAX_AUTOTUNE", raising=False)
         yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "matmul_precision(name): jax's matmul precision a test runs under on GPUs "
+                                       "(default: highest)")
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls(request):
+    """On GPUs a test runs at full float32 ("highest") unless marked: float32 results are checked against
+    float64 references at 1e-5, which TF32 (jax's default there) does not meet. CPUs multiply float32 exactly."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        yield
+        return
+    marker = request.node.get_closest_marker("matmul_precision")
+    with jax.default_matmul_precision(marker.args[0] if marker else "highest"):
+        yield

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
-SUITES = ("step", "ring", "strategies", "coverage", "million")
+SUITES = ("step", "ring", "strategies", "coverage", "precision", "million")
 DEVICES = 4
 BF16_ERR = 2e-2  # bf16 outputs against a float32 or another bf16 computation of the same attention
 
@@ -102,6 +102,20 @@ def check_coverage(rows):
         assert "skipped" in r["cudnn"]
 
 
+def check_precision(rows):
+    cases = [(r["case"]["precision"], r["case"]["asked"]) for r in rows]
+    assert cases == [(p, a) for p in ("default", "highest") for a in ("jax.nn", "xla", "pallas_triton", "auto")]
+    for r in rows:
+        assert r["case"]["dtype"] == "float32"
+        if r["case"]["asked"] == "pallas_triton":  # a GPU backend: skipped on CPU, with the reason
+            assert "runs on gpu" in r["skipped"]
+            continue
+        assert r["implementation"] == ("jax.nn" if r["case"]["library"] == "jax.nn" else "xla")
+        assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0
+        assert r["rel_err"] < 1e-5  # CPUs multiply float32 exactly under every setting
+        assert r["case"]["library"] == "jax.nn" or r["vs_jax_nn"]["fwd"] > 0
+
+
 def check_million(rows):
     (r,) = rows
     assert r["case"]["tokens"] == 2048 and r["case"]["devices"] == DEVICES
@@ -111,7 +125,7 @@ def check_million(rows):
 
 
 CHECKS = {"step": check_step, "ring": check_ring, "strategies": check_strategies, "coverage": check_coverage,
-          "million": check_million}
+          "precision": check_precision, "million": check_million}
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -126,7 +140,7 @@ def test_suite_runs_on_cpu(results, suite):
         assert r["suite"] == suite and r["device_kind"] and r["platform"] == "cpu" and r["jax"] and r["ringjax"]
         assert r["time"].endswith("+00:00") and r["tag"] == "test" and r["options"]["tiny"]
         assert "bench.py" in r["command"] and suite in r["command"]
-        expected = 1 if suite in ("step", "coverage") else DEVICES
+        expected = 1 if suite in ("step", "coverage", "precision") else DEVICES
         assert r["device_count"] == expected
     CHECKS[suite](rows)
     assert "|---|" in log  # the run ends with its markdown table

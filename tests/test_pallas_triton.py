@@ -18,6 +18,9 @@ from harness import check_against_reference, make_inputs, reference_for, run_rin
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPL = "pallas_triton" if ON_GPU else "pallas_triton_interpret"
+# its float32 runs at jax's default precision: TF32 on a GPU (checked at harness's "tf32" tolerance); it refuses
+# "highest" (tests/test_precision.py)
+pytestmark = pytest.mark.matmul_precision("default")
 # smallest legal blocks, so tiny shards still have several blocks per step
 SMALL = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
                   interpret=not ON_GPU)

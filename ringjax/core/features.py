@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ringjax.core import precision
 from ringjax.options import AttentionOptions
 
 
@@ -87,6 +88,10 @@ class Support:
     head_dims: Callable[[int], bool] | None = None
     head_dims_text: str = "any"
     min_seq_multiple: int = 1  # each contiguous run of a device's tokens is a multiple of this
+    # jax's matmul precisions (core.precision names) float32 inputs may run at, None: every one; and in
+    # words, what float32 tiles are multiplied in (the README's table)
+    float32_precisions: frozenset[str] | None = None
+    float32_text: str = "as jax's matmul precision says"
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - set(BY_NAME))
@@ -110,6 +115,11 @@ class Support:
             return f"{', '.join(dict.fromkeys(missing))} is not implemented in {name}"
         if problem.dtype not in self.dtypes:
             return f"dtype {problem.dtype} is not supported: needs one of {', '.join(self.dtypes)}"
+        allowed = self.float32_precisions
+        if problem.dtype == "float32" and allowed is not None and problem.precision not in allowed:
+            return (f"float32 at jax's matmul precision {problem.precision!r} ({precision.describe(problem.precision)}"
+                    f") is not implemented in {name}, which multiplies float32 in {self.float32_text}; "
+                    "implementation='auto' picks one that computes it")
         if self.head_dims is not None and not self.head_dims(problem.head_dim):
             return f"head_dim {problem.head_dim} is not supported: needs {self.head_dims_text}"
         unit = problem.seq // opts.shards_per_device
@@ -134,7 +144,8 @@ _DTYPE_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16
 
 
 def markdown_table(columns: list[tuple[str, Support]]) -> str:
-    """The README's coverage table: one row per feature (yes / refused), then dtypes and head_dims."""
+    """The README's coverage table: one row per feature (yes / refused), then dtypes, float32 precision and
+    head_dims."""
     header = "| argument | meaning | " + " | ".join(f"`{name}`" for name, _ in columns) + " |"
     lines = [header, "|" + "---|" * (2 + len(columns))]
     for f in FEATURES:
@@ -142,5 +153,8 @@ def markdown_table(columns: list[tuple[str, Support]]) -> str:
         lines.append(f"| {f.argument} | {f.meaning} | " + " | ".join(cells) + " |")
     dtypes = [", ".join(_DTYPE_NAMES.get(d, d) for d in s.dtypes) for _, s in columns]
     lines.append("| dtype | of q, k, v | " + " | ".join(dtypes) + " |")
+    float32 = [s.float32_text if "float32" in s.dtypes else "—" for _, s in columns]
+    lines.append("| float32 matmuls | what float32 q, k, v are multiplied in (`jax.default_matmul_precision`) | "
+                 + " | ".join(float32) + " |")
     lines.append("| head_dim | of q, k, v | " + " | ".join(s.head_dims_text for _, s in columns) + " |")
     return "\n".join(lines)

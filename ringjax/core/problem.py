@@ -19,7 +19,12 @@ from ringjax.options import AttentionOptions
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-    """One call as a device sees it: per-device shapes, dtype and options."""
+    """One call as a device sees it: per-device shapes, dtype, matmul precision and options.
+
+    `precision` is jax's matmul precision for float32 tiles when the call was traced
+    (`core.precision.current`): "default" (TF32 on GPUs), "high", "highest" (full float32) or a
+    `lax.DotAlgorithmPreset` name; always "default" for other dtypes.
+    """
 
     opts: AttentionOptions
     batch: int
@@ -30,6 +35,7 @@ class Problem:
     dtype: str
     platform: str
     device_kind: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" = not resolved yet (see resolved())
+    precision: str = "default"
 
     def resolved(self) -> Problem:
         """This problem with `device_kind` filled in from the first device of `platform`."""

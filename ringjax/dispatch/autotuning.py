@@ -472,10 +472,12 @@ def tune_shapes(
 
     `features` are those of `ringjax.options.TUNABLE`: the static feature keywords of `ring_attention`
     (causal, sliding_window, chunk_size, dropout_rate, num_sink_tokens, ...) and, for its arrays, bools
-    (segments, sinks, alibi); the dropout key follows dropout_rate.
+    (segments, sinks, alibi); the dropout key follows dropout_rate. A float32 problem takes jax's matmul
+    precision now (`jax.default_matmul_precision(...)` around this call tunes that precision).
     """
     import jax.numpy as jnp
 
+    from ringjax.core import precision
     from ringjax.options import TUNABLE, check_keywords, make_options, sequence_chunks
 
     arrays = {kw.name: f"it takes no arrays; pass {flag}=True" for flag, kw in TUNABLE.items() if flag != kw.name}
@@ -502,6 +504,7 @@ def tune_shapes(
         head_dim=head_dim,
         dtype=str(jnp.dtype(dtype)),
         platform=registry.current_platform(),
+        precision=precision.current(dtype),
     ).resolved()
     reg, impl = registry.choose(op, implementation, problem)
     return tune_problem(op, reg, impl, problem, settings)

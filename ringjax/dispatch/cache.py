@@ -73,6 +73,9 @@ def portable_key(op: str, implementation: str, problem) -> dict[str, Any]:
             value = value is not None
         features[f.name] = _json_value(value)
     features["gqa_ratio"] = problem.gqa_ratio
+    # float32 tiles compute in TF32 or full float32 as jax's matmul precision says: different kernels,
+    # different fastest configs. Other dtypes ignore it, and their keys (shipped ones too) stay as they were.
+    precision = {"precision": problem.precision} if problem.dtype == "float32" else {}
     return {
         "op": op,
         "implementation": implementation,
@@ -84,6 +87,7 @@ def portable_key(op: str, implementation: str, problem) -> dict[str, Any]:
             "head_dim": problem.head_dim,
         },
         "dtype": problem.dtype,
+        **precision,
         "axis_size": opts.axis_size,
         "features": features,
         "platform": problem.platform,

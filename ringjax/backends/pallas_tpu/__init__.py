@@ -15,6 +15,7 @@ SUPPORT = Support(
     dtypes=("float32", "bfloat16"),
     head_dims=lambda d: d % 128 == 0 or d in (8, 16, 32, 64),
     head_dims_text="a multiple of 128, or 8 to 64",
+    float32_text="full float32, whatever jax's setting",
 )
 
 register("ring_attention", "pallas_tpu", platforms=("tpu",), priority=20, support=SUPPORT,

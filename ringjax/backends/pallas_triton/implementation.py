@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -10,10 +11,20 @@ from ringjax.backends.pallas_triton import SUPPORT
 from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
 from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd
+from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem, check_interpret
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 
-KERNEL = BlockKernel.without_extras("pallas_triton", block_fwd, block_bwd, skips_empty_steps=True)
+
+@functools.cache
+def kernel(precision: str) -> BlockKernel:
+    """The ring step whose float32 tiles multiply at `precision` (a `core.precision` name); one object per
+    precision, so traces and compiled calls are shared."""
+    return BlockKernel.without_extras("pallas_triton", functools.partial(block_fwd, precision=precision),
+                                      functools.partial(block_bwd, precision=precision), skips_empty_steps=True)
+
+
+KERNEL = kernel(DEFAULT)
 
 
 def _shared_memory(problem: Problem) -> tuple[tuple[int, int], int]:
@@ -91,7 +102,8 @@ class PallasTritonImplementation:
             raise ValueError(f"{self.name}: {config} does not fit this GPU (compute capability "
                              f"{'.'.join(map(str, capability))}): {too_big}; use smaller blocks or fewer stages, "
                              "or leave config=None")
-        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+        return ring_attention_shard(problem.opts, kernel(problem.precision), config, q, k, v, q_seg, kv_seg, sinks,
+                                    extras)
 
 
 IMPLEMENTATION = PallasTritonImplementation()

@@ -36,7 +36,8 @@ from ringjax.backends.pallas_triton.config import GpuConfig, block_sizes
 from ringjax.core.masks import TokenInfo, may_skip, visible
 from ringjax.core.modifiers import LOG2E, logit_slope, logits2
 from ringjax.core.operands import Operands, Refs
-from ringjax.core.tiles import Tiling, matmul_precision
+from ringjax.core.precision import DEFAULT, dot_precision
+from ringjax.core.tiles import Tiling
 from ringjax.core.visits import block_tables, bounds
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
@@ -99,10 +100,11 @@ def _walk(mode: str, tabs, row, i, n: int, step, carry):
 # --------------------------------------------------------------------------- kernels
 
 
-def _dot(a, b, trans_a=False, trans_b=False):
-    """2-D matmul with float32 accumulation; transposes fold into the contraction."""
+def _dot(a, b, prec, trans_a=False, trans_b=False):
+    """2-D matmul with float32 accumulation; transposes fold into the contraction. `prec`: the tiles'
+    `core.precision.dot_precision` (Triton lowers DEFAULT/HIGH on float32 to TF32, HIGHEST to IEEE)."""
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=matmul_precision(a.dtype), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _q_block(opts: AttentionOptions, nq: int, i):
@@ -119,7 +121,7 @@ def _mask(opts, q_tok, k_tok, shape):
     return visible(opts, q_tok, k_tok).reshape(shape)
 
 
-def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str, prec):
     r = Refs(layout, refs)
     bk = tl.block_kv
     i = _q_block(opts, tl.num_q, pl.program_id(0))
@@ -131,7 +133,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         m, denom, acc = carry
         keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
         k, v = r.k[keys, :], r.v[keys, :]
-        s, _ = logits2(_dot(q, k, trans_b=True), opts)
+        s, _ = logits2(_dot(q, k, prec, trans_b=True), opts)
         if masked:
             s = jnp.where(_mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), s.shape), s, _NEG_INF)
         m_new = jnp.maximum(m, s.max(axis=1))
@@ -140,7 +142,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         p = jnp.exp2(s - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
         denom = alpha * denom + p.sum(axis=1)
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, prec)
         return m_new, denom, acc
 
     bq, d = tl.block_q, tl.head_dim
@@ -151,19 +153,19 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
     r.lse[...] = lse
 
 
-def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask):
+def _probs_and_ds(q, k, v, do, lse2, delta, opts, mask, prec):
     """P, dS (both [bq, bk], float32) of one block pair; lse2 = lse * log2 e; `mask` is None or bool."""
-    s, t = logits2(_dot(q, k, trans_b=True), opts)
+    s, t = logits2(_dot(q, k, prec, trans_b=True), opts)
     slope = logit_slope(t, opts)
     p = jnp.exp2(s - lse2[:, None])
     if mask is not None:
         p = jnp.where(mask, p, 0.0)
-    dp = _dot(do, v, trans_b=True)
+    dp = _dot(do, v, prec, trans_b=True)
     ds = p * (dp - delta[:, None]) * slope
     return p, ds
 
 
-def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str, prec):
     r = Refs(layout, refs)
     bk = tl.block_kv
     i = _q_block(opts, tl.num_q, pl.program_id(0))
@@ -175,13 +177,13 @@ def _dq_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
         keys = pl.ds(pl.multiple_of(blk * bk, bk), bk)
         k, v = r.k[keys, :], r.v[keys, :]
         mask = _mask(opts, q_tok, _tokens(r.kpos, r.get("kseg"), keys), (tl.block_q, bk)) if masked else None
-        _, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
-        return dq + _dot(ds.astype(k.dtype), k)
+        _, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask, prec)
+        return dq + _dot(ds.astype(k.dtype), k, prec)
 
     r.dq[...] = _walk(mode, r.tables, row, i, tl.num_kv, step, jnp.zeros(q.shape, jnp.float32))
 
 
-def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
+def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str, prec):
     """dK, dV of one key block (and, if the layout has a dQ buffer, its dQ contributions added atomically)."""
     r = Refs(layout, refs)
     bq = tl.block_q
@@ -197,11 +199,11 @@ def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str):
             q, do = r.q[rows, g, :], r.do[rows, g, :]
             lse, delta = r.lse[g, rows], r.delta[g, rows]
             mask = _mask(opts, _tokens(r.qpos, r.get("qseg"), rows), k_tok, (bq, tl.block_kv)) if masked else None
-            p, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            p, ds = _probs_and_ds(q, k, v, do, lse, delta, opts, mask, prec)
+            dv = dv + _dot(p.astype(do.dtype), do, prec, trans_a=True)
+            dk = dk + _dot(ds.astype(q.dtype), q, prec, trans_a=True)
             if r.get("dq") is not None:  # fused: the output aliased to the zeros passed in as dq_zeros
-                atomic_add(r.dq, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k))
+                atomic_add(r.dq, (rows, g, slice(None)), _dot(ds.astype(k.dtype), k, prec))
             return dk, dv
 
         return _walk(mode, r.tables, row, j, tl.num_q, step, carry)
@@ -229,15 +231,16 @@ class _Step:
     q_info: TokenInfo
     k_info: TokenInfo
     categories: object  # int32 [Bl, nq, nk] or None (dense walk)
+    prec: object  # `precision=` of every tile dot (core.precision.dot_precision)
 
     @classmethod
-    def of(cls, q, k, q_info, k_info, opts, block_q, block_kv):
+    def of(cls, q, k, q_info, k_info, opts, block_q, block_kv, precision: str):
         bq, bk = block_sizes(opts, q.shape[1], k.shape[1], block_q, block_kv)
         has_seg = q_info.seg is not None
         tl = Tiling.of(q, k, bq, bk, has_seg)
         mode = "dense" if not may_skip(opts) else "list" if has_seg else "ranges"
         cat = None if mode == "dense" else _categories(opts, q_info, k_info, bq, bk)
-        return cls(opts, tl, mode, q_info, k_info, cat)
+        return cls(opts, tl, mode, q_info, k_info, cat, dot_precision(q.dtype, precision))
 
     def by_query_block(self, *blocks):
         """Operands of a kernel gridded (query block, batch, head): q and `blocks` ((name, array, kind),
@@ -289,7 +292,8 @@ class _Step:
         warps, stages = (config.bwd_num_warps, config.bwd_num_stages) if bwd else (config.num_warps,
                                                                                  config.num_stages)
         call = pl.pallas_call(
-            functools.partial(kernel, layout=ins.layout + outs.layout, opts=self.opts, tl=self.tl, mode=self.mode),
+            functools.partial(kernel, layout=ins.layout + outs.layout, opts=self.opts, tl=self.tl, mode=self.mode,
+                              prec=self.prec),
             grid=grid,
             in_specs=ins.specs,
             out_specs=outs.specs,
@@ -304,9 +308,10 @@ class _Step:
         return _compat.call_unchecked_vma(call, [(o.shape, o.dtype) for o in out_shapes], *args)
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: GpuConfig):
-    """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T])."""
-    step = _Step.of(q, k, q_info, k_info, opts, config.block_q, config.block_kv)
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: GpuConfig, *,
+              precision: str = DEFAULT):
+    """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T]); float32 tiles multiply at `precision`."""
+    step = _Step.of(q, k, q_info, k_info, opts, config.block_q, config.block_kv, precision)
     tl = step.tl
     ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"))
     outs = (Operands().add("out", ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32), spec["tokens"])
@@ -316,9 +321,9 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
-              config: GpuConfig):
+              config: GpuConfig, *, precision: str = DEFAULT):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
-    step = _Step.of(q, k, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv)
+    step = _Step.of(q, k, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv, precision)
     tl = step.tl
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse2, delta = finite_or_zero(lse) * LOG2E, delta.astype(jnp.float32)

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ringjax.backends.xla import SUPPORT
 from ringjax.backends.xla.config import XlaConfig
 from ringjax.backends.xla.kernels import block_bwd, block_fwd
+from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 
-KERNEL = BlockKernel(name="xla", fwd=block_fwd, bwd=block_bwd)
+
+@functools.cache
+def kernel(precision: str) -> BlockKernel:
+    """The ring step whose float32 tiles multiply at `precision` (a `core.precision` name); one object per
+    precision, so traces and compiled calls are shared."""
+    return BlockKernel(name="xla", fwd=functools.partial(block_fwd, precision=precision),
+                       bwd=functools.partial(block_bwd, precision=precision))
+
+
+KERNEL = kernel(DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +40,8 @@ class XlaImplementation:
         return [XlaConfig(block_q=bq, block_kv=bk) for bq in sizes for bk in sizes]
 
     def run(self, problem: Problem, config: XlaConfig, q, k, v, q_seg, kv_seg, sinks, extras):
-        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+        return ring_attention_shard(problem.opts, kernel(problem.precision), config, q, k, v, q_seg, kv_seg, sinks,
+                                    extras)
 
 
 IMPLEMENTATION = XlaImplementation()

@@ -14,7 +14,8 @@ from ringjax import _compat
 from ringjax.backends.xla.config import XlaConfig
 from ringjax.core.masks import BlockRange, Extras, TokenInfo, may_skip, maybe_visible, visible
 from ringjax.core.modifiers import alibi_distance, dropout_batch_head, dropout_keep, logits, logits_and_slope
-from ringjax.core.tiles import Tiling, block_ranges, matmul_precision, pick_block
+from ringjax.core.precision import DEFAULT, dot_precision
+from ringjax.core.tiles import Tiling, block_ranges, pick_block
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
@@ -106,10 +107,12 @@ def _tiling(q, k, opts: AttentionOptions, config: XlaConfig):
     return tl.batch, tl.heads, tl.kv_heads, tl.groups, tl.block_q, tl.block_kv, tl.num_q, tl.num_kv
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig):
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig,
+              *, precision: str = DEFAULT):
+    """(out f32, lse f32) of one step; float32 tiles multiply at `precision` (`core.precision`)."""
     b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
     t = q.shape[1]
-    prec = matmul_precision(q.dtype)
+    prec = dot_precision(q.dtype, precision)
     qb = _split_q(q, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
     qpos, qseg, qsegpos, qrng = _blocks(q_info, nq, bq)
@@ -154,10 +157,10 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
-              opts: AttentionOptions, config: XlaConfig):
+              opts: AttentionOptions, config: XlaConfig, *, precision: str = DEFAULT):
     """(dq, dk, dv, d alibi_slopes or None), float32."""
     b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
-    prec = matmul_precision(q.dtype)
+    prec = dot_precision(q.dtype, precision)
     qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
     lseb, deltab = _split_rows(finite_or_zero(lse), nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
     kb, vb = _split_kv(k, nk, bk), _split_kv(v, nk, bk)
