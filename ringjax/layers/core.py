@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float, Int
 
 from ringjax.api import ring_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
@@ -182,3 +183,16 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         raise ValueError("positions is only used by rotary embeddings, which this layer has off (rope_base=None)")
     out = ring_attention(q, k, v, segment_ids=segment_ids, sinks=params.get("sinks"), **cfg.ring_keywords())
     return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype))
+
+
+def layer_call(
+    self,
+    x: Float[Array, "batch seq features"],
+    *,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    positions: Int[Array, "*batch seq"] | None = None,
+) -> Float[Array, "batch seq out_features"]:
+    """The layers' `__call__`: `forward` with the config and parameters (by name) from the layer's
+    `config_and_params(x)` and its computation `dtype`."""
+    cfg, params = self.config_and_params(x)
+    return forward(cfg, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype)

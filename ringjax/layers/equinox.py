@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
 from ringjax.layers import core
 from ringjax.layers.core import AttentionLayerConfig
@@ -45,14 +45,10 @@ class MultiHeadAttention(eqx.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (params[n] for n in core.PROJECTIONS)
         self.sinks = params.get("sinks")
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq features"],
-        *,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        positions: Int[Array, "*batch seq"] | None = None,
-    ) -> Float[Array, "batch seq out_features"]:
+    __call__ = core.layer_call
+
+    def config_and_params(self, x) -> tuple[AttentionLayerConfig, dict]:
         params = {"q": self.q_proj, "k": self.k_proj, "v": self.v_proj, "o": self.o_proj}
         if self.sinks is not None:
             params["sinks"] = self.sinks
-        return core.forward(self.config, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype)
+        return self.config, params

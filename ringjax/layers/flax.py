@@ -17,7 +17,6 @@ import functools
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
-from jaxtyping import Array, Float, Int
 
 from ringjax.layers import core
 from ringjax.layers.core import AttentionLayerConfig
@@ -44,17 +43,13 @@ class MultiHeadAttention(nnx.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nnx.Param(params[n]) for n in core.PROJECTIONS)
         self.sinks = nnx.Param(params["sinks"]) if "sinks" in params else None
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq features"],
-        *,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        positions: Int[Array, "*batch seq"] | None = None,
-    ) -> Float[Array, "batch seq out_features"]:
+    __call__ = core.layer_call
+
+    def config_and_params(self, x) -> tuple[AttentionLayerConfig, dict]:
         params = {"q": self.q_proj[...], "k": self.k_proj[...], "v": self.v_proj[...], "o": self.o_proj[...]}
         if self.sinks is not None:
             params["sinks"] = self.sinks[...]
-        return core.forward(self.config, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype)
+        return self.config, params
 
 
 class LinenMultiHeadAttention(nn.Module):
@@ -87,14 +82,11 @@ class LinenMultiHeadAttention(nn.Module):
         fields = {name: getattr(self, name) for name in core.LAYER_FIELDS}
         return AttentionLayerConfig(in_features=in_features, **fields)
 
+    __call__ = core.layer_call
+
     @nn.compact
-    def __call__(
-        self,
-        x: Float[Array, "batch seq features"],
-        *,
-        segment_ids: Int[Array, "batch seq"] | None = None,
-        positions: Int[Array, "*batch seq"] | None = None,
-    ) -> Float[Array, "batch seq out_features"]:
+    def config_and_params(self, x) -> tuple[AttentionLayerConfig, dict]:
+        """The config for x's features and the parameters, created on first use."""
         if not hasattr(x, "ndim") or x.ndim != 3:
             raise ValueError(f"x must have shape [batch, seq, features], got {getattr(x, 'shape', None)}")
         cfg = self.layer_config(x.shape[-1])
@@ -102,5 +94,5 @@ class LinenMultiHeadAttention(nn.Module):
         for name, shape in cfg.param_shapes().items():
             init = functools.partial(core.init_param, name)
             params[name] = self.param(name if name == "sinks" else f"{name}_proj", init, shape, self.param_dtype)
-        return core.forward(cfg, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype)
+        return cfg, params
 
