@@ -357,7 +357,7 @@ def checked_keywords(fn: Callable[P, R]) -> Callable[P, R]:
 
     The signature stays `fn`'s own, for users, IDEs and type checkers.
     """
-    return _checked(fn, inspect.signature(fn), {})
+    return _checked(fn, inspect.signature(fn))
 
 
 def keywords_of(source: Callable, *, omit: Collection[str]) -> Callable[[Callable[..., R]], Callable[..., R]]:
@@ -371,21 +371,23 @@ def keywords_of(source: Callable, *, omit: Collection[str]) -> Callable[[Callabl
         own = inspect.signature(fn)
         taken = [p for name, p in inspect.signature(source).parameters.items()
                  if p.kind == p.KEYWORD_ONLY and name not in omit and name not in own.parameters]
-        params = [p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD] + taken
-        return _checked(fn, own.replace(parameters=params), {p.name: p.default for p in taken})
+        return _checked(fn, own.replace(parameters=[p for p in own.parameters.values() if p.kind != p.VAR_KEYWORD]
+                                        + taken))
 
     return decorate
 
 
-def _checked(fn: Callable[..., R], signature: inspect.Signature, defaults: dict[str, Any]) -> Callable[..., R]:
-    """`fn` that shows `signature`, checks keywords against it and fills `defaults` in."""
+def _checked(fn: Callable[..., R], signature: inspect.Signature) -> Callable[..., R]:
+    """`fn` called as `signature` says: keywords checked against it, absent ones at its defaults."""
     accepted = frozenset(name for name, p in signature.parameters.items()
                          if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
 
     @functools.wraps(fn)
     def checked(*args, **kwargs):
         check_keywords(fn.__name__, kwargs, accepted)
-        return fn(*args, **{**defaults, **kwargs})
+        bound = signature.bind(*args, **kwargs)  # TypeError for a missing argument, as the signature shows it
+        bound.apply_defaults()
+        return fn(*bound.args, **bound.kwargs)
 
     checked.__signature__ = signature  # type: ignore[attr-defined]
     return checked

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ringjax.options import LAYOUTS, chunks_per_shard, sequence_chunks
+from ringjax.options import LAYOUTS, chunks_per_shard, keywords_of, sequence_chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,24 +323,20 @@ def _flash_s(chip: Chip, rate: float, flops: float, q_bytes: float, kv_bytes: fl
     return max(flops / rate, hbm / chip.hbm_bandwidth)
 
 
+@keywords_of(plan, omit=("ring_size",))
 def strategy_costs(
     chip: str | Chip,
     *,
     devices: int,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: str = "bfloat16",
-    causal: bool = True,
     layout: str = "contiguous",
-    batch: int = 1,
     hybrid: tuple[int, int] | None = None,
-    efficiency: float = DEFAULT_EFFICIENCY,
-    backward_flop_factor: float = 2.5,
     memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    **workload,
 ) -> tuple[StrategyCost, ...]:
     """Predict ring, all_gather and ulysses over `devices` chips (and hybrid, given (head, ring) sizes).
+
+    The other keywords (seq_len, heads, kv_heads, head_dim, dtype, causal, batch, efficiency,
+    backward_flop_factor) are `plan`'s, with its defaults; `plan` checks them.
 
     Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
     - ring: `plan` (per-step compute against the K/V transfer it hides), plus the lse merge of
@@ -355,13 +351,7 @@ def strategy_costs(
     Collectives are not overlapped with compute. Memory counts gathered or all-to-all copies and
     the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
     """
-    if isinstance(chip, str):
-        if chip not in CHIPS:
-            raise ValueError(f"chip must be one of {sorted(CHIPS)} or a Chip, got {chip!r}")
-        chip = CHIPS[chip]
-    for name, value in (("devices", devices), ("seq_len", seq_len), ("heads", heads), ("kv_heads", kv_heads),
-                        ("head_dim", head_dim), ("batch", batch)):
-        _check_int(name, value)
+    _check_int("devices", devices)
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if hybrid is not None:
@@ -370,9 +360,11 @@ def strategy_costs(
                 or hybrid[0] * hybrid[1] != devices):
             raise ValueError(f"hybrid must be (head_devices, ring_devices) with product devices={devices}, "
                              f"got {hybrid!r}")
-    ring = plan(chip, ring_size=devices, seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                dtype=dtype, causal=causal, layout=layout, batch=batch, efficiency=efficiency,
-                backward_flop_factor=backward_flop_factor)
+    ring = plan(chip, ring_size=devices, layout=layout, **workload)  # checks the workload
+    chip = ring.chip
+    seq_len, heads, kv_heads, head_dim, dtype, causal, batch, efficiency, backward_flop_factor = (
+        workload[name] for name in ("seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "batch",
+                                    "efficiency", "backward_flop_factor"))
     n, t, s = devices, seq_len // devices, _ITEMSIZE[dtype]
     rate = chip.peak_flops * efficiency
     budget = memory_fraction * chip.hbm_bytes if chip.hbm_bytes else math.inf
