@@ -76,12 +76,18 @@ def _and(*masks):
     return out
 
 
-def _base(opts: AttentionOptions, qp, kp):
-    """Causal and window rules on positions, or None if neither applies."""
+def _base(opts: AttentionOptions, qp, kp, qp_left=None, kp_left=None):
+    """Causal and window rules on positions, or None if neither applies.
+
+    The right bound (causal: 0, window: right) is tested on the pair (qp, kp), the window's left
+    bound on (qp_left, kp_left), by default the same pair; on block ranges each bound gets the
+    pair of range ends that decides it.
+    """
+    qp_left, kp_left = (qp, kp) if qp_left is None else (qp_left, kp_left)
     window = None
     if opts.window is not None:
         left, right = opts.window
-        window = (kp >= qp - left) & (kp <= qp + right)
+        window = (kp_left >= qp_left - left) & (kp <= qp + right)
     return _and(kp <= qp if opts.causal else None, window)
 
 
@@ -125,12 +131,9 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
         same = (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
-    base = same
-    if opts.causal:
-        base &= k.pos_lo <= q.pos_hi
-    if opts.window is not None:
-        left, right = opts.window
-        base &= (k.pos_hi >= q.pos_lo - left) & (k.pos_lo <= q.pos_hi + right)
+    # some pair passes: the earliest key meets the right bound of the latest query, the latest key the left
+    # bound of the earliest
+    base = _and(same, _base(opts, q.pos_hi, k.pos_lo, q.pos_lo, k.pos_hi))
     if opts.chunk_size is not None:
         c = opts.chunk_size
         if opts.has_segments:  # chunk ids restart per document: only the distance bound is known
@@ -152,12 +155,9 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
     """
     if _sinks_only(opts):
         return jnp.asarray(False)  # sinks the base rule hides: never a whole block
-    ok = jnp.asarray(True)
-    if opts.causal:
-        ok &= k.pos_hi <= q.pos_lo
-    if opts.window is not None:
-        left, right = opts.window
-        ok &= (k.pos_lo >= q.pos_hi - left) & (k.pos_hi <= q.pos_lo + right)
+    # every pair passes: the latest key meets the right bound of the earliest query, the earliest key the left
+    # bound of the latest
+    ok = _and(jnp.asarray(True), _base(opts, q.pos_lo, k.pos_hi, q.pos_hi, k.pos_lo))
     if opts.chunk_size is not None:
         c = opts.chunk_size
         if opts.has_segments:
