@@ -13,13 +13,13 @@ import pytest
 
 import ringjax
 from ringjax.backends.pallas_mosaic_gpu.implementation import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
-from ringjax.core.masks import TokenInfo
+from ringjax.core.masks import Extras, TokenInfo
 from ringjax.dispatch import registry
 from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
 from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
-from reference import mask_reference
+from reference import dropout_keep_reference, mask_reference
 
 
 def _hopper() -> bool:
@@ -41,8 +41,9 @@ SMALL = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, interpret=n
 # --------------------------------------------------------------------------- one ring step
 
 
-def _step_reference(q, k, v, do, mask, scale, cap):
-    """out, lse and (fed that lse) dq, dk, dv of one step in float64; mask [B or 1, T, S]."""
+def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=None, rate=0.0):
+    """out, lse and (fed that lse) dq, dk, dv, dslopes of one step in float64; mask [B or 1, T, S];
+    dist [T, S] = |i - j| with slopes [H] (ALiBi); keep [B, H, T, S] with rate (dropout)."""
     q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
     g = q.shape[2] // k.shape[2]
     kr, vr = np.repeat(k, g, 2), np.repeat(v, g, 2)
@@ -51,56 +52,83 @@ def _step_reference(q, k, v, do, mask, scale, cap):
     if cap is not None:
         t = np.tanh(s / cap)
         s, slope = cap * t, scale * (1 - t * t)
+    if slopes is not None:
+        s = s - np.asarray(slopes, np.float64)[None, :, None, None] * dist
     s = np.where(mask[:, None], s, -np.inf)
     m = s.max(-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m)
     total = p.sum(-1, keepdims=True)
     p = p / np.where(total > 0, total, 1.0)
-    out = np.einsum("bhts,bshd->bthd", p, vr)
+    drop = 1.0 if keep is None else keep / (1.0 - rate)  # what P is multiplied by on its way to out
+    out = np.einsum("bhts,bshd->bthd", p * drop, vr)
     total = total[..., 0]
     lse = np.where(total > 0, np.log(np.where(total > 0, total, 1.0)) + m[..., 0], -np.inf)
     delta = np.einsum("bthd,bthd->bht", do, out)
-    ds = p * (np.einsum("bthd,bshd->bhts", do, vr) - delta[..., None]) * slope
+    dlogits = p * (np.einsum("bthd,bshd->bhts", do, vr) * drop - delta[..., None])
+    ds = dlogits * slope
     b, sk, kvh, d = k.shape
     dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(b, sk, kvh, g, d).sum(3)
-    dv = np.einsum("bhts,bthd->bshd", p, do).reshape(b, sk, kvh, g, d).sum(3)
-    return dict(out=out, lse=lse, delta=delta, dq=np.einsum("bhts,bshd->bthd", ds, kr), dk=dk, dv=dv)
+    dv = np.einsum("bhts,bthd->bshd", p * drop, do).reshape(b, sk, kvh, g, d).sum(3)
+    out = dict(out=out, lse=lse, delta=delta, dq=np.einsum("bhts,bshd->bthd", ds, kr), dk=dk, dv=dv)
+    if slopes is not None:
+        out["dslopes"] = -(dlogits * dist).sum(axis=(0, 2, 3))
+    return out
 
 
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
-                config=SMALL, **kw):
-    """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys)."""
+                config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, **kw):
+    """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys);
+    `gather`: keys are the whole sequence in natural order (the all-gather schedule)."""
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     total = local * n
     kw.setdefault("softmax_scale", head_dim ** -0.5)
     rng = np.random.default_rng(shard * 7 + src)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    k_len = total if gather else local
     q = cast(rng.standard_normal((batch, local, heads, head_dim)))
-    k, v = (cast(rng.standard_normal((batch, local, kv_heads, head_dim))) for _ in range(2))
+    k, v = (cast(rng.standard_normal((batch, k_len, kv_heads, head_dim))) for _ in range(2))
     do = cast(rng.standard_normal((batch, local, heads, head_dim)))
-    qpos, kpos = (local_positions(layout, r, n, local, xp=np) for r in (shard, src))
+    qpos = local_positions(layout, shard, n, local, xp=np, subshards=subshards)
+    kpos = np.arange(total) if gather else local_positions(layout, src, n, local, xp=np, subshards=subshards)
     seg = None
     if segments is not None:
         seg = np.asarray(segments, np.int32)
     mask = mask_reference(total, causal=kw.get("causal", False), window=kw.get("window"),
-                          segment_ids=seg, chunk_size=kw.get("chunk_size"))[:, qpos][:, :, kpos]
-    opts = AttentionOptions(layout=layout, axis_size=n, has_segments=seg is not None, **kw)
-    ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap)
-    qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]))
-    ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]))
-    out, lse = block_fwd(q, k, v, qi, ki, opts, config)
-    dq, dk, dv = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32),
-                           qi, ki, opts, config)
-    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+                          segment_ids=seg, chunk_size=kw.get("chunk_size"),
+                          num_sink_tokens=kw.get("num_sink_tokens", 0))[:, qpos][:, :, kpos]
+    opts = AttentionOptions(layout=layout, axis_size=n, has_segments=seg is not None, has_alibi=alibi,
+                            dropout_rate=dropout_rate, gather_kv=gather, subshards=subshards, **kw)
+    mods, extras = {}, Extras()
+    if alibi:
+        slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
+        mods.update(dist=np.abs(qpos[:, None] - kpos[None, :]).astype(np.float64), slopes=slopes)
+        extras = extras._replace(alibi_slopes=jnp.asarray(slopes))
+    if dropout_rate:
+        seed = np.array([12345, 678], np.uint32)
+        keep = dropout_keep_reference(seed, dropout_rate, batch, heads, total)[:, :, qpos][:, :, :, kpos]
+        mods.update(keep=keep, rate=dropout_rate)
+        extras = extras._replace(dropout_seed=jnp.asarray(seed))
+    ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
+    # without segments a token's offset in its segment (what sink tokens read) is its position
+    segpos = (lambda pos: jnp.asarray(pos)[None]) if opts.num_sink_tokens else (lambda pos: None)  # noqa: E731
+    qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]), segpos(qpos))
+    ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]), segpos(kpos))
+    out, lse = block_fwd(q, k, v, qi, ki, extras, opts, config)
+    dq, dk, dv, dslopes = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32),
+                                    jnp.asarray(ref["delta"], jnp.float32), qi, ki, extras, opts, config)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dslopes=dslopes)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
     for name in ("out", "dq", "dk", "dv"):
         assert np.isfinite(np.asarray(got[name])).all(), f"{name} is not finite"
+    assert (dslopes is None) == (not alibi)
     tol = {"bfloat16": 1e-2, "float16": 2e-3}[dtype]
-    for name, limit in (("out", tol), ("lse", tol), ("dq", 2 * tol), ("dk", 2 * tol), ("dv", 2 * tol)):
-        err = rel_err(got[name], ref[name])
-        assert err < limit, f"{name}: relative error {err:.2e} exceeds {limit:.0e}"
+    for name, limit in (("out", tol), ("lse", tol), ("dq", 2 * tol), ("dk", 2 * tol), ("dv", 2 * tol),
+                        ("dslopes", 2 * tol)):
+        if name in ref:
+            err = rel_err(got[name], ref[name])
+            assert err < limit, f"{name}: relative error {err:.2e} exceeds {limit:.0e}"
 
 
 def _docs(batch, total):
@@ -124,6 +152,18 @@ STEP_CASES = [
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96)),
     ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True)),
     ("contiguous", 2, 0, 1, 256, "float16", dict(window=(20, 30))),  # few keys visible, non-causal
+    # score modifiers: ALiBi (with its slope gradient), dropout's hash, sink tokens beyond a window
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, alibi=True)),
+    ("striped", 2, 0, 1, 128, "float16", dict(causal=True, alibi=True, logits_soft_cap=5.0)),
+    ("contiguous", 1, 0, 0, 256, "float16", dict(causal=True, dropout_rate=0.25)),
+    ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, alibi=True)),
+    ("contiguous", 1, 0, 0, 512, "float16", dict(causal=True, window=(70, 0), num_sink_tokens=5)),
+    ("striped", 2, 1, 0, 256, "bfloat16", dict(causal=True, window=(130, 0), num_sink_tokens=3)),
+    # the all-gather schedule's natural key order, and Ulysses' interleaved subshards
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True)),
+    ("striped", 2, 0, 0, 256, "float16", dict(causal=True, gather=True, window=(90, 0))),
+    ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True, subshards=2)),
+    ("zigzag", 2, 0, 0, 512, "float16", dict(causal=True, subshards=2, window=(150, 0))),
 ]
 
 
@@ -160,6 +200,16 @@ RING_CASES = [
     (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=128), dict(causal=True)),
     (2, "striped", "float16", dict(seq=512, heads=4, kv_heads=1, head_dim=64), dict(causal=True)),
     (4, "contiguous", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128), dict(sliding_window=(90, 40))),
+    # score modifiers through the whole op: ALiBi's slope gradient, dropout's mask, sinks beyond a window
+    (1, "contiguous", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=128, alibi=True), dict(causal=True)),
+    (1, "zigzag", "float16", dict(seq=512, heads=4, kv_heads=1, head_dim=64, dropout_key=3),
+     dict(causal=True, dropout_rate=0.2)),
+    (1, "contiguous", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128),
+     dict(causal=True, sliding_window=200, num_sink_tokens=4)),
+    (2, "zigzag", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128, alibi=True, dropout_key=5),
+     dict(causal=True, dropout_rate=0.1, logits_soft_cap=20.0)),
+    (2, "contiguous", "float16", dict(seq=1024, heads=4, kv_heads=2, head_dim=64),
+     dict(causal=True, sliding_window=100, num_sink_tokens=3)),
 ]
 
 
@@ -199,11 +249,10 @@ def _problem(**kw):
     (dict(dtype="float32"), "dtype float32 is not supported"),
     (dict(head_dim=256), "head_dim 256 is not supported"),
     (dict(head_dim=96), "head_dim 96 is not supported"),
-    (dict(opts=AttentionOptions(has_alibi=True)), "ALiBi (`alibi_slopes`) is not implemented in pallas_mosaic_gpu"),
-    (dict(opts=AttentionOptions(dropout_rate=0.1)), "dropout"),
-    (dict(opts=AttentionOptions(num_sink_tokens=2)), "sink tokens"),
-    (dict(opts=AttentionOptions(gather_kv=True)), "all-gather K/V schedule"),
-    (dict(opts=AttentionOptions(subshards=2)), "subshards"),
+    (dict(opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
+     "sink tokens of packed documents (`num_sink_tokens` with `segment_ids`) is not implemented in pallas_mosaic_gpu"),
+    (dict(seq=192, opts=AttentionOptions(layout="contiguous", subshards=2)),
+     "each of the 2 runs of a device's tokens is 96"),
     (dict(opts=AttentionOptions(chunk_size=8, has_segments=True)), "per-document chunks"),
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
@@ -276,22 +325,29 @@ def test_candidates_fit_shared_memory():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-def test_kernels_lower_to_mosaic_gpu_for_cuda():
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
+    dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
+])
+def test_kernels_lower_to_mosaic_gpu_for_cuda(kw):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
         pytest.skip(_jax_refusal())
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
-    from ringjax.core.masks import TokenInfo
 
     t = 256
-    opts = AttentionOptions(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True, softmax_scale=0.1)
+    opts = AttentionOptions(softmax_scale=0.1, **kw)
+    extras = Extras(alibi_slopes=jnp.linspace(0.1, 0.8, 8), dropout_seed=jnp.array([1, 2], jnp.uint32))
 
     def f(q, k, v, do, lse, delta, seg):
-        qi = TokenInfo(jnp.arange(t, dtype=jnp.int32), seg)
-        ki = TokenInfo(jnp.arange(t, dtype=jnp.int32) - t, seg)
+        seg = seg if opts.has_segments else None
+        pos = jnp.arange(t, dtype=jnp.int32)
+        qi = TokenInfo(pos, seg, pos[None])
+        ki = TokenInfo(pos - t, seg, pos[None] - t)
         cfg = MosaicGpuConfig()
-        return block_fwd(q, k, v, qi, ki, opts, cfg), block_bwd(q, k, v, do, lse, delta, qi, ki, opts, cfg)
+        return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
+                block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
 
     s = jax.ShapeDtypeStruct
     args = (s((1, t, 8, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16),

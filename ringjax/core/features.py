@@ -59,9 +59,12 @@ FEATURES: tuple[Feature, ...] = (
             "any ring size and layout, regenerated in backward",
             lambda o: o.dropout_rate > 0, ("dropout_rate",)),
     Feature("num_sink_tokens", "sink tokens", "`num_sink_tokens`",
-            "StreamingLLM: every query also sees the first s tokens of its segment (with windows: sinks reach far "
+            "StreamingLLM: every query also sees the first s tokens of the sequence (with windows: sinks reach far "
             "shards by one small all-reduce, not the whole ring)",
-            lambda o: o.num_sink_tokens > 0, ("num_sink_tokens",)),
+            lambda o: o.num_sink_tokens > 0 and not o.has_segments, ("num_sink_tokens",)),
+    Feature("num_sink_tokens_segments", "sink tokens of packed documents", "`num_sink_tokens` with `segment_ids`",
+            "every query sees the first s tokens of its own document",
+            lambda o: o.num_sink_tokens > 0 and o.has_segments, ("num_sink_tokens",)),
     Feature("all_gather", "the all-gather K/V schedule", '`strategy="all_gather"`',
             "K/V of the whole axis gathered once instead of travelling the ring (keys in natural order)",
             lambda o: o.gather_kv, ("gather_kv",)),
@@ -126,6 +129,8 @@ class Support:
         if unit % self.min_seq_multiple:
             what = ("half the per-device sequence (zigzag)" if opts.shards_per_device == 2
                     else "the per-device sequence")
+            if opts.subshards > 1:
+                what = f"each of the {opts.shards_per_device} runs of a device's tokens"
             return f"{what} is {unit}: must be a multiple of {self.min_seq_multiple}"
         return None
 

@@ -61,7 +61,8 @@ class StepOptions(AttentionOptions):
         return cls(**{f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}, sinks_only=True)
 
 
-def _sinks_only(opts: AttentionOptions) -> bool:
+def is_sink_step(opts: AttentionOptions) -> bool:
+    """Whether these are the options of the ring's extra sink step (its keys are the sink tokens)."""
     return isinstance(opts, StepOptions) and opts.sinks_only
 
 
@@ -122,7 +123,7 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, 
         return base
     # sink tokens: the first s tokens of the query's own segment, never in its future
     sink = _and(k_segpos < opts.num_sink_tokens, same, k_pos <= q_pos if opts.causal else None)
-    return sink & ~base if _sinks_only(opts) else base | sink
+    return sink & ~base if is_sink_step(opts) else base | sink
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
@@ -145,7 +146,7 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
     sink = same & (k.segpos_lo < opts.num_sink_tokens)
     if opts.causal:
         sink &= k.pos_lo <= q.pos_hi
-    return sink if _sinks_only(opts) else base | sink
+    return sink if is_sink_step(opts) else base | sink
 
 
 def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
@@ -153,7 +154,7 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
 
     Kernels skip the element-wise mask on such block pairs.
     """
-    if _sinks_only(opts):
+    if is_sink_step(opts):
         return jnp.asarray(False)  # sinks the base rule hides: never a whole block
     # every pair passes: the latest key meets the right bound of the earliest query, the earliest key the left
     # bound of the latest
@@ -171,4 +172,4 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
 def may_skip(opts: AttentionOptions) -> bool:
     """Whether any block pair can be empty at all (static)."""
     return (opts.causal or opts.window is not None or opts.has_segments or opts.chunk_size is not None
-            or _sinks_only(opts))
+            or is_sink_step(opts))

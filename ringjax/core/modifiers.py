@@ -58,7 +58,12 @@ def logits_and_slope(qk: jnp.ndarray, opts: AttentionOptions) -> tuple[jnp.ndarr
 
 def alibi_distance(q_pos, k_pos) -> jnp.ndarray:
     """-|i - j| [Tq, Tk] float32: ALiBi adds slope[h] times this to the logits (after the soft cap)."""
-    return -jnp.abs(q_pos[:, None] - k_pos[None, :]).astype(jnp.float32)
+    return alibi_distance_pairs(q_pos[:, None], k_pos[None, :])
+
+
+def alibi_distance_pairs(q_pos, k_pos) -> jnp.ndarray:
+    """`alibi_distance` on positions that already broadcast against each other (kernel tiles)."""
+    return -jnp.abs(q_pos - k_pos).astype(jnp.float32)
 
 
 def _fmix32(x):
@@ -87,10 +92,19 @@ def dropout_keep(seed, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:
     `batch_head` broadcasts against [Tq, Tk] (e.g. shape [B, H, 1, 1]); the same key
     and global positions give the same mask on any ring size and layout.
     """
-    qp = q_pos.astype(jnp.uint32)[:, None]
-    kp = k_pos.astype(jnp.uint32)[None, :]
+    return dropout_keep_pairs(seed[0], seed[1], rate, batch_head, q_pos[:, None], k_pos[None, :])
+
+
+def dropout_keep_pairs(seed0, seed1, rate: float, batch_head, q_pos, k_pos) -> jnp.ndarray:
+    """`dropout_keep` on positions that already broadcast against each other (kernel tiles), with the
+    two uint32 seed words apart (kernels read them as scalars)."""
+    qp, kp = q_pos.astype(jnp.uint32), k_pos.astype(jnp.uint32)
     x = _fmix32(qp * jnp.uint32(0x9E3779B1) ^ (kp * jnp.uint32(0x85EBCA77) + jnp.uint32(0x27D4EB2F)))
-    x = _fmix32(x ^ (batch_head.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D) + seed[0]))
-    x = _fmix32(x ^ seed[1])
-    threshold = jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
-    return x >= threshold
+    x = _fmix32(x ^ (batch_head.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D) + seed0))
+    x = _fmix32(x ^ seed1)
+    return x >= dropout_threshold(rate)
+
+
+def dropout_threshold(rate: float):
+    """uint32 t: a hash value x is kept iff x >= t, so a fraction `rate` is dropped."""
+    return jnp.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))

@@ -175,13 +175,22 @@ def _without_sinks(opts, plan):
     return dataclasses.replace(opts, num_sink_tokens=0) if plan.sink_step else opts
 
 
+# the sink step takes the first tokens up to a multiple of this, of which the sink rule shows only the
+# first s (offsets < s): kernels with 64-token blocks can take them
+_SINK_BLOCK = 64
+
+
+def _sink_slots(opts) -> int:
+    return -(-opts.num_sink_tokens // _SINK_BLOCK) * _SINK_BLOCK
+
+
 def _sink_onehot(pos, s, dtype):
     return (pos[None, :] == jnp.arange(s, dtype=pos.dtype)[:, None]).astype(dtype)  # [s, L]
 
 
 def _sink_kv(x, pos, opts):
-    """K or V of the first s global tokens, on every device (only without segments)."""
-    s = opts.num_sink_tokens
+    """K or V of the first `_sink_slots` global tokens, on every device (only without segments)."""
+    s = _sink_slots(opts)
     # HIGHEST: a one-hot product must copy values exactly (no TF32 rounding on GPUs)
     part = jnp.einsum("sl,blhd->bshd", _sink_onehot(pos, s, x.dtype), x, preferred_element_type=jnp.float32,
                       precision=lax.Precision.HIGHEST)
@@ -189,7 +198,7 @@ def _sink_kv(x, pos, opts):
 
 
 def _sink_info(opts):
-    pos = jnp.arange(opts.num_sink_tokens, dtype=jnp.int32)
+    pos = jnp.arange(_sink_slots(opts), dtype=jnp.int32)
     return TokenInfo(pos, None, pos[None, :])
 
 
@@ -320,7 +329,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
                                              sink_opts, config)
         dq = dq + dq_s
         dslopes = None if dsl_s is None else dslopes + dsl_s
-        onehot = _sink_onehot(q_info.pos, opts.num_sink_tokens, jnp.float32)
+        onehot = _sink_onehot(q_info.pos, _sink_slots(opts), jnp.float32)
         # every device touched the sink keys: sum, then each owner keeps its own slots
         hi = lax.Precision.HIGHEST
         dk = dk + jnp.einsum("sl,bshd->blhd", onehot, lax.psum(dk_s, opts.axis_name), precision=hi)

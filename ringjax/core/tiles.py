@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ringjax.core.masks import BlockRange, TokenInfo
+from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
 
@@ -92,6 +94,25 @@ def shard_range(info: TokenInfo) -> BlockRange:
         return None if x is None else x.max()
 
     return BlockRange(lo(r.pos_lo), hi(r.pos_hi), lo(r.seg_lo), hi(r.seg_hi), lo(r.segpos_lo))
+
+
+def block_stride(opts: AttentionOptions, length: int, size: int, *, natural: bool = False) -> int | None:
+    """The position step inside every block of `size` tokens of a device's `length` tokens (static), or
+    None if some block's positions are not evenly spaced by one common step.
+
+    `natural`: the tokens are in natural order (all-gathered keys, the sink step's keys); else they
+    are a shard of `opts.layout` with `opts.subshards`. Kernels that take a block's positions as
+    start + step * i use it to pick block sizes and to refuse layouts they cannot walk.
+    """
+    if length % size:
+        return None
+    if natural:
+        return 1
+    pos = local_positions(opts.layout, 0, opts.axis_size, length, xp=np, subshards=opts.subshards)
+    steps = np.diff(pos.reshape(-1, size), axis=1)
+    if size == 1:
+        return 1
+    return int(steps[0, 0]) if (steps == steps[0, 0]).all() else None
 
 
 def matmul_precision(dtype):

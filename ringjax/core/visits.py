@@ -9,9 +9,11 @@ visited; with segments a hidden block inside [lo, hi) is visited under the mask.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from ringjax.core.masks import BlockRange, TokenInfo, fully_visible, may_skip, maybe_visible
+from ringjax.core.masks import BlockRange, StepOptions, TokenInfo, fully_visible, is_sink_step, may_skip, maybe_visible
 from ringjax.core.tiles import block_ranges
 from ringjax.options import AttentionOptions
 
@@ -54,6 +56,33 @@ def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_si
     if transpose:
         maybe, full = jnp.swapaxes(maybe, 1, 2), jnp.swapaxes(full, 1, 2)
     return bounds(maybe, full)
+
+
+def sink_range_table(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInfo, bq: int, bk: int):
+    """int32 [Bl, n_q, 6] (plo, phi, lo, flo, fhi, hi) over key blocks, or None if the mask hides nothing.
+
+    `range_table` of the mask without sink tokens, plus a prefix [plo, phi) of the key blocks that
+    only sink tokens make visible, visited first: a query tile of a sliding window then walks its
+    window and the one block holding the sinks, not every block in between. Sinks that fall
+    neither before nor inside [lo, hi) widen it instead (still exact: those blocks are masked).
+    """
+    if not opts.num_sink_tokens or is_sink_step(opts):
+        table = range_table(opts, q_info, k_info, bq, bk)
+        return None if table is None else jnp.concatenate([table[..., :1], table], axis=-1)
+    base = dataclasses.replace(opts, num_sink_tokens=0)
+    if not may_skip(base):
+        return None  # the base rule shows every key: the sinks add none
+    main = bounds(*block_tables(base, q_info, k_info, bq, bk))
+    sink_maybe, _ = block_tables(StepOptions.sink_step(opts), q_info, k_info, bq, bk)
+    sink = bounds(sink_maybe, jnp.zeros_like(sink_maybe))
+    slo, shi = sink[..., 0], sink[..., 3]
+    lo, flo, fhi, hi = (main[..., i] for i in range(4))
+    has = shi > slo
+    before = has & (shi <= lo)
+    widen = has & ~before & ~((slo >= lo) & (shi <= hi))
+    lo, hi = jnp.where(widen, jnp.minimum(lo, slo), lo), jnp.where(widen, jnp.maximum(hi, shi), hi)
+    plo, phi = jnp.where(before, slo, lo), jnp.where(before, shi, lo)
+    return jnp.stack([plo, phi, lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
 
 
 def bounds(maybe, full):

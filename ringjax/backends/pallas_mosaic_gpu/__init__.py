@@ -8,9 +8,8 @@ from ringjax.core.features import Support
 from ringjax.dispatch.registry import register
 
 SUPPORT = Support(
-    # not all_gather / ulysses: the kernels take positions as block start + a layout stride, which
-    # those schedules change (all-gathered keys in natural order, interleaved subshards)
-    features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size"}),
+    features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
+                        "alibi_slopes", "dropout", "num_sink_tokens", "all_gather", "ulysses"}),
     dtypes=("bfloat16", "float16"),
     head_dims=lambda d: d in (64, 128),
     head_dims_text="64 or 128",

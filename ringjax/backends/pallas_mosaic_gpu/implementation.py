@@ -9,6 +9,7 @@ from ringjax.backends.pallas_mosaic_gpu import SUPPORT
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
 from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard
+from ringjax.core.tiles import block_stride
 
 _MIN_JAX = (0, 11)
 # what the kernels call; a jax without one of them cannot build them
@@ -21,15 +22,13 @@ _PLGPU_API = ("kernel", "SMEM", "Barrier", "ACC", "wgmma", "copy_gmem_to_smem", 
 def _fwd(q, k, v, q_info, k_info, extras, opts, config):
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_fwd
 
-    del extras  # supports() refuses ALiBi and dropout, the only users of extras
-    return block_fwd(q, k, v, q_info, k_info, opts, config)
+    return block_fwd(q, k, v, q_info, k_info, extras, opts, config)
 
 
 def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd
 
-    del extras
-    return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config), None)
+    return block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
 
 
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
@@ -90,6 +89,10 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     if why:
         return why
     config = config or default_config(problem)
+    # a block's positions are start + step * i: every 64-token block of the layout must be evenly spaced
+    if block_stride(opts, problem.seq, ROWS) is None:
+        return (f"layout {opts.layout!r} with {opts.subshards} subshard(s) of {problem.seq} tokens has 64-token "
+                f"blocks whose positions are not evenly spaced")
     # the two consumers of a block take two heads of one group, else two row tiles
     if problem.seq % (2 * ROWS) and (problem.gqa_ratio % 2 or not config.pair_heads):
         return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two consumers "

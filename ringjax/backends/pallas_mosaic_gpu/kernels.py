@@ -41,9 +41,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
-from ringjax.core.masks import TokenInfo, may_skip, visible_pairs
-from ringjax.core.modifiers import LOG2E, cap_slope, logits2
-from ringjax.core.visits import block_starts, range_table
+from ringjax.core.masks import Extras, TokenInfo, is_sink_step, may_skip, visible_pairs
+from ringjax.core.modifiers import LOG2E, alibi_distance_pairs, cap_slope, dropout_keep_pairs, logits2
+from ringjax.core.tiles import block_stride
+from ringjax.core.visits import block_starts, range_table, sink_range_table
 from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
@@ -66,9 +67,23 @@ class _Walk:
     row_stride: int  # position step inside a row tile
     col_stride: int  # position step inside a streamed block
     n_ctas: int  # CTAs along the rows
+    prefix: bool = False  # the table starts with a range of sink-token blocks visited before [lo, hi)
 
 
 # --------------------------------------------------------------------------- shared pieces
+
+
+class _Refs:
+    """A kernel's refs in order (inputs, outputs, scratch); optional ones are taken only when present."""
+
+    def __init__(self, refs):
+        self._refs = list(refs)
+
+    def take(self, n: int = 1, present: bool = True):
+        if not present:
+            return None if n == 1 else [None] * n
+        out, self._refs = self._refs[:n], self._refs[n:]
+        return out[0] if n == 1 else out
 
 
 def _transforms(cols: int, dtype):
@@ -92,53 +107,151 @@ def _segments(seg_ref, smem, bar, b, block, size: int, wg, axis: int):
     return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
-def _mask(opts, shape, row0, col0, walk: _Walk, rows_are_queries: bool, row_seg=None, col_seg=None):
-    """masks.visible_pairs on a [rows, cols] tile in the wgmma layout, from block starts and strides."""
+def _tile_positions(shape, row0, col0, walk: _Walk):
+    """Global positions of a [rows, cols] tile's rows and columns, int32 in the wgmma layout."""
     lay = plgpu.Layout.WGMMA
     rpos = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=lay)
     cpos = col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay)
+    return rpos, cpos
+
+
+def _mask(opts, rpos, cpos, rows_are_queries: bool, row_seg=None, col_seg=None):
+    """masks.visible_pairs on a tile's positions (and segment ids: rows [rows], columns [cols])."""
     rseg = cseg = None
     if row_seg is not None:
-        rseg = lax.broadcast_in_dim(row_seg, shape, [0])
-        cseg = lax.broadcast_in_dim(col_seg, shape, [1])
-    if rows_are_queries:
-        return visible_pairs(opts, rpos, cpos, rseg, cseg)
-    return visible_pairs(opts, cpos, rpos, cseg, rseg)
+        rseg = lax.broadcast_in_dim(row_seg, rpos.shape, [0])
+        cseg = lax.broadcast_in_dim(col_seg, rpos.shape, [1])
+    qpos, kpos, qseg, kseg = (rpos, cpos, rseg, cseg) if rows_are_queries else (cpos, rpos, cseg, rseg)
+    # sink tokens run here only without segments, where a token's offset in its segment is its position
+    segpos = (qpos, kpos) if opts.num_sink_tokens else (None, None)
+    return visible_pairs(opts, qpos, kpos, qseg, kseg, *segpos)
 
 
-def _bounds(rng_ref, row, tile, n_blocks: int, ranged: bool):
-    """(lo, flo, fhi, hi) of one tile; an empty tile gets lo = hi = n_blocks."""
-    if not ranged:
-        z = jnp.int32(0)
-        return z, z, jnp.int32(n_blocks), jnp.int32(n_blocks)
-    lo, flo, fhi, hi = (rng_ref[row, tile, c] for c in range(4))
-    empty = hi <= lo
+@dataclasses.dataclass(frozen=True)
+class _Mods:
+    """The score modifiers of one (batch row, head): ALiBi's slope and dropout's (batch, head) counter."""
+
+    slope: jax.Array | None  # this head's ALiBi slope (natural units)
+    batch_head: jax.Array | None  # dropout's counter b * heads + h, global heads
+    seeds: tuple | None  # dropout's two uint32 seed words
+
+    @classmethod
+    def read(cls, opts, refs, b, head):
+        slopes_ref, seed_ref, bh_ref = refs
+        slope = slopes_ref[head] if opts.has_alibi else None
+        if opts.dropout_rate > 0:
+            return cls(slope, b * bh_ref[0] + bh_ref[1] + head, (seed_ref[0], seed_ref[1]))
+        return cls(slope, None, None)
+
+    def distance(self, rpos, cpos):
+        """-|i - j| of the tile (ALiBi's factor), or None without ALiBi."""
+        return None if self.slope is None else alibi_distance_pairs(rpos, cpos)
+
+    def keep(self, opts, rpos, cpos, rows_are_queries: bool):
+        """Dropout's keep mask of the tile (core/modifiers' hash), or None without dropout."""
+        if self.seeds is None:
+            return None
+        qpos, kpos = (rpos, cpos) if rows_are_queries else (cpos, rpos)
+        return dropout_keep_pairs(*self.seeds, opts.dropout_rate, self.batch_head, qpos, kpos)
+
+
+def _mod_refs(opts, refs: _Refs):
+    """The modifier inputs (slopes, seeds, (batch, head) counter) of a kernel, None where unused."""
+    slopes = refs.take(1, opts.has_alibi)
+    seed, bh = refs.take(2, opts.dropout_rate > 0)
+    return slopes, seed, bh
+
+
+def _mod_args(opts, extras, heads: int):
+    """The kernel inputs `_mod_refs` reads, from a step's extras."""
+    args = []
+    if opts.has_alibi:
+        args.append(extras.alibi_slopes.astype(jnp.float32))
+    if opts.dropout_rate > 0:
+        hs = extras.head_slice
+        bh = jnp.array([heads, 0], jnp.int32) if hs is None else jnp.stack([hs[1], hs[0]]).astype(jnp.int32)
+        args += [extras.dropout_seed.astype(jnp.uint32), bh]
+    return args
+
+
+def _scores2(raw, opts, dist, mods: _Mods):
+    """Base-2 logits of a raw q.k tile: scale, soft cap, ALiBi; and the soft cap's tanh (or None)."""
+    s2, t = logits2(raw, opts)
+    if dist is not None:
+        s2 = s2 + (mods.slope * LOG2E) * dist
+    return s2, t
+
+
+def _bounds(rng_ref, row, tile, n_blocks: int, walk: _Walk):
+    """(plo, phi, lo, flo, fhi, hi) of one tile; an empty range gets its bounds at n_blocks."""
     big = jnp.int32(n_blocks)
-    return (jnp.where(empty, big, lo), jnp.where(empty, big, flo), jnp.where(empty, big, fhi),
-            jnp.where(empty, big, hi))
+    if not walk.ranged:
+        z = jnp.int32(0)
+        return z, z, z, z, big, big
+    vals = [rng_ref[row, tile, c] for c in range(6 if walk.prefix else 4)]
+    prefix = vals[:2] if walk.prefix else [big, big]
+    lo, flo, fhi, hi = vals[-4:]
+    empty = hi <= lo
+    main = [jnp.where(empty, big, x) for x in (lo, flo, fhi, hi)]
+    pempty = prefix[1] <= prefix[0]
+    return (*[jnp.where(pempty, big, x) for x in prefix], *main)
 
 
-def _union(b0, b1):
-    """First block and number of blocks of the union of two tiles' ranges."""
-    lo = jnp.minimum(b0[0], b1[0])
-    hi = jnp.maximum(jnp.where(b0[3] > b0[0], b0[3], 0), jnp.where(b1[3] > b1[0], b1[3], 0))
+def _span(b0, b1, lo_i: int, hi_i: int):
+    """First block and number of blocks of the union of two tiles' ranges [b[lo_i], b[hi_i])."""
+    lo = jnp.minimum(b0[lo_i], b1[lo_i])
+    hi = jnp.maximum(jnp.where(b0[hi_i] > b0[lo_i], b0[hi_i], 0), jnp.where(b1[hi_i] > b1[lo_i], b1[hi_i], 0))
     return lo, jnp.maximum(hi - lo, 0)
 
 
-def _walk_tile(lo, n, bounds, body, carry, ranged: bool = True):
-    """carry = body(block, carry, kind) over blocks [lo, lo + n); kind: "skip", "masked" or "full"."""
-    if not ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
-        return lax.fori_loop(lo, lo + n, functools.partial(_with_kind, body, "full"), carry)
-    tlo, flo, fhi, thi = (jnp.clip(x, lo, lo + n) for x in bounds)
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    """What the producer streams for a CTA: blocks [plo, plo + pn) (sink prefix), then [lo, lo + n)."""
+
+    plo: jax.Array
+    pn: jax.Array
+    lo: jax.Array
+    n: jax.Array
+
+    @classmethod
+    def union(cls, b0, b1):
+        return cls(*_span(b0, b1, 0, 1), *_span(b0, b1, 2, 5))
+
+    @property
+    def steps(self):
+        return self.pn + self.n
+
+    def block(self, i):
+        """The block streamed at visit i."""
+        return jnp.where(i < self.pn, self.plo + i, self.lo + i - self.pn)
+
+
+def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
+    """carry = body(visit, block, carry, kind) over the CTA's visits; kind: "skip", "masked" or "full"
+    for this tile (blocks outside its own ranges are skipped: waited for and released)."""
+
+    def run(start, stop, kind, first, offset, carry):
+        def one(blk, c):
+            return body(blk - first + offset, blk, c, kind)
+
+        return lax.fori_loop(start, stop, one, carry)
+
+    if not walk.ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
+        return run(span.lo, span.lo + span.n, "full", span.lo, span.pn, carry)
+    plo, phi, lo, flo, fhi, hi = bounds
+    if walk.prefix:
+        end = span.plo + span.pn
+        a, z = (jnp.clip(x, span.plo, end) for x in (plo, phi))
+        z = jnp.maximum(z, a)
+        for start, stop, kind in ((span.plo, a, "skip"), (a, z, "masked"), (z, end, "skip")):
+            carry = run(start, stop, kind, span.plo, 0, carry)
+    end = span.lo + span.n
+    tlo, flo, fhi, thi = (jnp.clip(x, span.lo, end) for x in (lo, flo, fhi, hi))
     thi = jnp.maximum(thi, tlo)
-    for start, stop, kind in ((lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
-                              (thi, lo + n, "skip")):
-        carry = lax.fori_loop(start, stop, functools.partial(_with_kind, body, kind), carry)
+    for start, stop, kind in ((span.lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
+                              (thi, end, "skip")):
+        carry = run(start, stop, kind, span.lo, span.pn, carry)
     return carry
-
-
-def _with_kind(body, kind, blk, carry):
-    return body(blk, carry, kind)
 
 
 def _write_rows(acc, smem, wg, dst):
@@ -231,17 +344,15 @@ def _row_tile(walk: _Walk, cta, wg):
 
 
 def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool):
-    """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and union.
-
-    Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles.
-    """
+    """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and the
+    span the producer streams. Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles."""
     b = lax.axis_index("b")
     hx, cta = lax.axis_index("h"), lax.axis_index("q")
     row = b if has_seg else 0  # the visit table has a batch axis only with segments
     tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
     heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
-    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t, _ in tiles]
-    return (b, tiles, heads, bounds, *_union(*bounds))
+    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t, _ in tiles]
+    return b, tiles, heads, bounds, _Span.union(*bounds)
 
 
 def _consumer_share(wg, tiles, heads, bounds):
@@ -250,17 +361,17 @@ def _consumer_share(wg, tiles, heads, bounds):
     return pick(tiles[0][0], tiles[1][0]), pick(heads[0], heads[1]), [pick(a, c) for a, c in zip(*bounds)]
 
 
-def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
-    """Producer of the forward and dQ kernels: K and V blocks lo..lo+n of KV head `kvh` by TMA.
+def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, free):
+    """Producer of the forward and dQ kernels: the K and V blocks of `span`, KV head `kvh`, by TMA.
 
-    Block i goes to slot i % stages once both consumers have released that slot's last use;
+    Visit i goes to slot i % stages once both consumers have released that slot's last use;
     `refs`, `smem`, `loaded` and `free` are (K, V) pairs.
     """
 
-    @pl.loop(0, n)
+    @pl.loop(0, span.steps)
     def _(i):
         slot = lax.rem(i, jnp.int32(stages))
-        rows = (b, pl.ds((lo + i) * bk, bk), kvh)
+        rows = (b, pl.ds(span.block(i) * bk, bk), kvh)
         for ref, buf, bar, released in zip(refs, smem, loaded, free):  # K first: the consumers need it first
 
             @pl.when(i >= stages)
@@ -269,26 +380,33 @@ def _stream_kv(b, kvh, lo, n, bk: int, stages: int, refs, smem, loaded, free):
 
             plgpu.copy_gmem_to_smem(ref.at[rows], buf.at[slot], bar.at[slot])
 
-    _drain(n, stages, *free)
+    _drain(span.steps, stages, *free)
+
+
+def _keep_scale(opts) -> float:
+    """Kept probabilities are scaled by 1 / (1 - rate) (dropout's expectation)."""
+    return 1.0 / (1.0 - opts.dropout_rate)
 
 
 # --------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts, walk: _Walk, groups: int,
-                has_seg: bool, emulate: bool):
-    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
-    if has_seg:
-        qseg_ref, kseg_ref, *refs = refs
-    out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem, *refs = refs
-    if has_seg:
-        qseg_smem, kseg_smem, *refs = refs
-    q_bar, k_bar, v_bar, k_free, v_free, sched, *refs = refs
-    seg_bar = refs[0] if has_seg else None
+def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    r = _Refs(refs)
+    q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref = r.take(6)
+    qseg_ref, kseg_ref = r.take(2, has_seg)
+    mod_refs = _mod_refs(opts, r)
+    out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem = r.take(7)
+    qseg_smem, kseg_smem = r.take(2, has_seg)
+    q_bar, k_bar, v_bar, k_free, v_free, sched = r.take(6)
+    seg_bar = r.take(1, has_seg)
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    b, tiles, heads, bounds, span = _row_tiles_of_cta(walk, rng_ref, has_seg)
     wg = lax.axis_index("wg")
+    # without a soft cap or ALiBi the scale stays out of the max and joins exp2 as one FMA
+    fold = opts.logits_soft_cap is None and not opts.has_alibi
+    scale = opts.softmax_scale * LOG2E if fold else 1.0
 
     def schedule():
         plgpu.barrier_arrive(sched)
@@ -298,24 +416,23 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
     def _consumer():
         plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
         tile, head, my = _consumer_share(wg, tiles, heads, bounds)
+        mods = _Mods.read(opts, mod_refs, b, head)
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
         qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         plgpu.barrier_wait(q_bar.at[wg])
 
-        end = lo + n
+        def wait_next_k(i):
+            """Wait for the K of visit i + 1 (consumers wait for each K once, in order)."""
 
-        def wait_next_k(blk):
-            """Wait for the K of the step after `blk` (consumers wait for each K once, in order)."""
-
-            @pl.when(blk + 1 < end)
+            @pl.when(i + 1 < span.steps)
             def _():
-                plgpu.barrier_wait(k_bar.at[lax.rem(blk + 1 - lo, jnp.int32(stages))])
+                plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(stages))])
 
-        def step(blk, carry, kind):
+        def step(i, blk, carry, kind):
             acc, m, row_sum = carry
-            slot = lax.rem(blk - lo, jnp.int32(stages))
+            slot = lax.rem(i, jnp.int32(stages))
             if kind == "skip":
                 schedule()
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -323,28 +440,31 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
                 plgpu.barrier_arrive(v_free.at[slot])
-                wait_next_k(blk)
+                wait_next_k(i)
                 return carry
 
             # the other consumer's softmax runs while this matmul does
             s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
                            emulate=emulate)
             plgpu.barrier_arrive(k_free.at[slot])
-            # base-2 logits; without a soft cap the scale stays out of the max and joins exp2 as one FMA
-            scale = opts.softmax_scale * LOG2E if opts.logits_soft_cap is None else 1.0
-            if opts.logits_soft_cap is not None:
-                s, _ = logits2(s, opts)
+            pos = None
+            if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
+            if not fold:
+                s, _ = _scores2(s, opts, mods.distance(*pos) if opts.has_alibi else None, mods)
             if kind == "masked":
                 kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
-                s = jnp.where(vis, s, -jnp.inf)
+                s = jnp.where(_mask(opts, *pos, True, qseg, kseg), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * scale)
             # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
             alpha = jnp.exp2(m - m_use)
             p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            row_sum = row_sum * alpha + p.sum(axis=1)
+            row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
+            keep = mods.keep(opts, *pos, True) if opts.dropout_rate > 0 else None
+            if keep is not None:
+                p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
             p16 = p.astype(q_ref.dtype)
             acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
             plgpu.barrier_arrive(sched)
@@ -352,7 +472,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
             plgpu.barrier_wait(sched)
 
             # the next K's barrier is awaited while this matmul runs
-            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(blk))
+            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(i))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, row_sum
 
@@ -361,16 +481,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
                 _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
         pl.when(wg == 1)(schedule)
 
-        @pl.when(n > 0)
+        @pl.when(span.steps > 0)
         def _():
             plgpu.barrier_wait(k_bar.at[0])
 
-        acc, m, row_sum = _walk_tile(lo, n, my, step, init, walk.ranged)
+        acc, m, row_sum = _walk_tile(span, my, step, init, walk)
         pl.when(wg == 0)(schedule)
 
         seen = row_sum > 0.0
         l_safe = jnp.where(seen, row_sum, 1.0)
-        acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+        norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
+        acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
         lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
         _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
@@ -379,19 +500,25 @@ def _fwd_kernel(q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref, *refs, opt
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
-        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), span, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
                    (k_bar, v_bar), (k_free, v_free))
 
 
+def _keys_natural(opts: AttentionOptions) -> bool:
+    """Keys in natural order: the whole gathered sequence, or the sink step's sink tokens."""
+    return opts.gather_kv or is_sink_step(opts)
+
+
 def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
-              pair_heads: bool = True) -> _Walk:
+              pair_heads: bool = True, prefix: bool = False) -> _Walk:
     """Pairing and strides of one launch: `t // 64` row tiles against `s // block` streamed blocks."""
-    stride = opts.axis_size if opts.layout == "striped" else 1
+    q_len, k_len, bq, bk = (s, t, block, ROWS) if transpose else (t, s, ROWS, block)
+    strides = (block_stride(opts, q_len, bq), block_stride(opts, k_len, bk, natural=_keys_natural(opts)))
     pair_heads = pair_heads and not transpose and groups % 2 == 0
     n_tiles = t // ROWS
     return _Walk(block=block, n_blocks=s // block, stages=stages, ranged=may_skip(opts), pair_heads=pair_heads,
-                 heaviest_last=opts.causal and not transpose, row_stride=stride, col_stride=stride,
-                 n_ctas=n_tiles if pair_heads else n_tiles // 2)
+                 heaviest_last=opts.causal and not transpose, row_stride=strides[transpose],
+                 col_stride=strides[not transpose], n_ctas=n_tiles if pair_heads else n_tiles // 2, prefix=prefix)
 
 
 def _unify(args):
@@ -416,22 +543,32 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
 
 def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
                  transpose: bool = False):
-    """`visits.range_table`, or a placeholder the kernel never reads when the mask hides nothing."""
-    rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
-    return jnp.zeros((1, 1, 4), jnp.int32) if rng is None else rng
+    """(table, prefix): `visits.range_table`, or with sink tokens (queries as rows) `visits.sink_range_table`
+    whose rows start with a prefix range; a placeholder the kernel never reads when the mask hides nothing."""
+    prefix = bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts)
+    if prefix:
+        rng = sink_range_table(opts, rows, cols, row_size, col_size)
+    else:
+        rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
+    return (jnp.zeros((1, 1, 6), jnp.int32) if rng is None else rng), prefix and rng is not None
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: MosaicGpuConfig):
+def _segment_args(q_info: TokenInfo, k_info: TokenInfo):
+    return [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if q_info.seg is not None else []
+
+
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions,
+              config: MosaicGpuConfig):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
-    bk = _fit(s, opts, config.block_kv)
-    walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads)
+    bk = _fit(s, config.block_kv, opts, natural=_keys_natural(opts))
+    rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
+    walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
+                     prefix=prefix)
     has_seg = q_info.seg is not None
-    rng = _visit_table(opts, q_info, k_info, ROWS, bk)
-    args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk)]
-    if has_seg:
-        args += [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)]
+    args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *_segment_args(q_info, k_info),
+            *_mod_args(opts, extras, h)]
     args = _unify(args)
     dt = q.dtype
     scratch = [
@@ -459,37 +596,39 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
                    rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
 
 
-def _fit(s: int, opts: AttentionOptions, want: int) -> int:
-    """Largest block <= want (64, 128 or 256) dividing the shard's unit (half a shard under zigzag)."""
-    unit = s // opts.shards_per_device
+def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
+    """Largest block <= want (64, 128 or 256) whose blocks each hold positions base + stride * i."""
     for blk in (256, 128, 64):
-        if blk <= want and unit % blk == 0:
+        if blk <= want and block_stride(opts, length, blk, natural=natural) is not None:
             return blk
-    raise ValueError(f"pallas_mosaic_gpu needs shard units divisible by 64, got {unit}")
+    raise ValueError(f"pallas_mosaic_gpu needs blocks of 64 tokens with evenly spaced positions; {length} tokens "
+                     f"of layout {opts.layout!r} (subshards {opts.subshards}) have none")
 
 
 # --------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
-               walk: _Walk, groups: int, has_seg: bool, emulate: bool):
-    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
-    if has_seg:
-        qseg_ref, kseg_ref, *refs = refs
-    dq_ref, q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem, *refs = refs
-    if has_seg:
-        qseg_smem, kseg_smem, *refs = refs
-    q_bar, k_bar, v_bar, k_free, v_free, *refs = refs
-    seg_bar = refs[0] if has_seg else None
+def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    r = _Refs(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
+    qseg_ref, kseg_ref = r.take(2, has_seg)
+    mod_refs = _mod_refs(opts, r)
+    dq_ref = r.take()
+    dslope_ref = r.take(1, opts.has_alibi)
+    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = r.take(7)
+    qseg_smem, kseg_smem = r.take(2, has_seg)
+    q_bar, k_bar, v_bar, k_free, v_free = r.take(5)
+    seg_bar = r.take(1, has_seg)
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    b, tiles, heads, bounds, lo, n = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    b, tiles, heads, bounds, span = _row_tiles_of_cta(walk, rng_ref, has_seg)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(_REGS["dq"][0], action="increase")
         tile, head, my = _consumer_share(wg, tiles, heads, bounds)
+        mods = _Mods.read(opts, mod_refs, b, head)
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         rows = (b, pl.ds(q0, ROWS), head)
@@ -503,63 +642,76 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def step(blk, dq, kind):
-            slot = lax.rem(blk - lo, jnp.int32(stages))
+        def step(i, blk, carry, kind):
+            dq, dslope = carry
+            slot = lax.rem(i, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             if kind == "skip":
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
-                return dq
+                return carry
 
             s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))],
                          [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)], emulate)
             plgpu.barrier_arrive(v_free.at[slot])
-            s2, t = logits2(s, opts)
+            pos = dist = None
+            if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
+                dist = mods.distance(*pos)
+            s2, t = _scores2(s, opts, dist, mods)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
                 kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                vis = _mask(opts, s.shape, qpos0, kstart_ref[blk], walk, True, qseg, kseg)
-                p = jnp.where(vis, p, 0.0)
-            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))
+                p = jnp.where(_mask(opts, *pos, True, qseg, kseg), p, 0.0)
+            keep = mods.keep(opts, *pos, True) if opts.dropout_rate > 0 else None
+            if keep is not None:
+                dp = jnp.where(keep, dp * _keep_scale(opts), 0.0)
+            ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))  # d loss / d logit
+            if dist is not None:
+                dslope = dslope + (ds * dist).sum(axis=1)
             if t is not None:
                 ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
 
             (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
             plgpu.barrier_arrive(k_free.at[slot])
-            return dq
+            return dq, dslope
 
-        dq = _walk_tile(lo, n, my, step, _zeros((ROWS, d)), walk.ranged)
+        init = (_zeros((ROWS, d)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None)
+        dq, dslope = _walk_tile(span, my, step, init, walk)
         dq = dq * opts.softmax_scale
         _write_rows(dq, o_smem, wg, dq_ref.at[rows])
+        if opts.has_alibi:  # lse is in registers: its shared-memory row carries the slope's gradient out
+            lse_smem.at[wg][...] = dslope
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
-        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), lo, n, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
+        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), span, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
                    (k_bar, v_bar), (k_free, v_free))
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref, *refs, opts,
-                walk: _Walk, groups: int, has_seg: bool, emulate: bool):
-    qseg_ref = kseg_ref = qseg_smem = kseg_smem = None  # no segment ids: _segments gives None
-    if has_seg:
-        qseg_ref, kseg_ref, *refs = refs
-    dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem, *refs = refs
-    if has_seg:
-        kseg_smem, qseg_smem, *refs = refs
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, free, *refs = refs
-    seg_bar = refs[0] if has_seg else None
+def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+    r = _Refs(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
+    qseg_ref, kseg_ref = r.take(2, has_seg)
+    mod_refs = _mod_refs(opts, r)
+    dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(9)
+    kseg_smem, qseg_smem = r.take(2, has_seg)
+    kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
+    seg_bar = r.take(1, has_seg)
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     b = lax.axis_index("b")
     kvh, cta = lax.axis_index("h"), lax.axis_index("k")
     row = b if has_seg else 0
     tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
-    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk.ranged) for t in tiles]
-    lo, n = _union(*bounds)
+    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
+    span = _Span.union(*bounds)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
@@ -577,9 +729,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
         plgpu.barrier_wait(kv_bar.at[2 + wg])
 
         def head(gi, carry):
-            def step(blk, carry, kind):
+            mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
+
+            def step(i, blk, carry, kind):
                 dk, dv = carry
-                slot = lax.rem(gi * n + blk - lo, jnp.int32(stages))
+                slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(lse_bar.at[slot])
                 plgpu.barrier_wait(do_bar.at[slot])
@@ -589,17 +743,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                     return carry
 
                 st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
-                st2, t = logits2(st, opts)
+                pos = None
+                if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                    pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
+                st2, t = _scores2(st, opts, mods.distance(*pos) if opts.has_alibi else None, mods)
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if kind == "masked":
                     qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
-                    vis = _mask(opts, st.shape, kpos0, qstart_ref[blk], walk, False, kseg, qseg)
-                    pt = jnp.where(vis, pt, 0.0)
-                pt16 = pt.astype(q_ref.dtype)
+                    pt = jnp.where(_mask(opts, *pos, False, kseg, qseg), pt, 0.0)
+                keep = mods.keep(opts, *pos, False) if opts.dropout_rate > 0 else None
+                kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
+                pt16 = kept.astype(q_ref.dtype)
 
                 dv, dpt = _mma([dv, _zeros((ROWS, bq))],
                                [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)], emulate)
+                if keep is not None:
+                    dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
                 delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                 if t is not None:
@@ -610,7 +770,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
-            return _walk_tile(lo, n, my, step, carry, walk.ranged)
+            return _walk_tile(span, my, step, carry, walk)
 
         dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, d)), _zeros((ROWS, d))))
         dk = dk * opts.softmax_scale
@@ -622,12 +782,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
     def _producer():
         plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
 
-        @pl.loop(0, groups * n)
+        @pl.loop(0, groups * span.steps)
         def _(i):
             slot = lax.rem(i, jnp.int32(stages))
-            gi = lax.div(i, jnp.maximum(n, 1))
-            blk = lo + i - gi * n
+            gi = lax.div(i, jnp.maximum(span.steps, 1))
             h = kvh * groups + gi
+            blk = span.block(i - gi * span.steps)
             rows = (b, pl.ds(blk * bq, bq), h)
             cols = (b, h, pl.ds(blk * bq, bq))
 
@@ -640,31 +800,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
 
-        _drain(groups * n, stages, free)
+        _drain(groups * span.steps, stages, free)
 
 
-def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
-              config: MosaicGpuConfig):
-    has_seg = q_info.seg is not None
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
+              opts: AttentionOptions, config: MosaicGpuConfig):
+    """(dq, dk, dv, d alibi_slopes or None) of one step, float32."""
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
-    segs = [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if has_seg else []
-    dq = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
+    mods = _mod_args(opts, extras, q.shape[2])
+    dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
     if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
         dq, q = lax.optimization_barrier((dq, q))
-    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config)
-    return dq, dk, dv
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
+    return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
 
 
-def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
-    """dQ: rows are query tiles, K/V blocks stream."""
+def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
+    """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream."""
     b, t, h, d = q.shape
-    s, g, has_seg, dt = k.shape[1], h // k.shape[2], bool(segs), q.dtype
-    bk = _fit(s, opts, config.dq_block_kv)
-    walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads)
-    rng = _visit_table(opts, q_info, k_info, ROWS, bk)
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *segs])
+    s, g, has_seg, dt = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype
+    bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
+    rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
+    walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
+                     prefix=prefix)
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk),
+                   *_segment_args(q_info, k_info), *mods])
     tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
     scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
                plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
@@ -677,22 +839,25 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    (dq,) = _launch(_dq_kernel, args, [_compat.struct_like((b, t, h, d), jnp.float32, args[0])], scratch,
-                    grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b), rows="q", walk=walk, groups=g,
-                    has_seg=has_seg, opts=opts, config=config)
-    return dq
+    out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
+    if opts.has_alibi:
+        out_type.append(_compat.struct_like((b, h, t), jnp.float32, args[0]))
+    outs = _launch(_dq_kernel, args, out_type, scratch, grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
+                   rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
+    return outs[0], (outs[1] if opts.has_alibi else None)
 
 
-def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, segs, opts, config):
+def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream."""
     b, t, h, d = q.shape
-    s, kvh, has_seg, dt = k.shape[1], k.shape[2], bool(segs), q.dtype
+    s, kvh, has_seg, dt = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype
     g = h // kvh
     tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
-    bq = _fit(t, opts, config.dkv_block_q)
+    bq = _fit(t, config.dkv_block_q, opts)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True)
-    rng = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS), *segs])
+    rng, _ = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS),
+                   *_segment_args(q_info, k_info), *mods])
     stream = plgpu.SMEM((walk.stages, bq, d), dt, transforms=_transforms(d, dt))
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     scratch = [tile, tile, stream, stream, vec, vec, _epilogue_smem()]
