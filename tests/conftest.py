@@ -20,7 +20,7 @@ def _isolated_config_cache(tmp_path_factory):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "matmul_precision(name): jax's matmul precision a test runs under on GPUs "
-                                       "(default: highest)")
+                                       "(default: highest; None: jax's own setting, untouched)")
 
 
 @pytest.fixture(autouse=True)
@@ -29,9 +29,10 @@ def _float32_matmuls(request):
     float64 references at 1e-5, which TF32 (jax's default there) does not meet. CPUs multiply float32 exactly."""
     import jax
 
-    if jax.default_backend() != "gpu":
+    marker = request.node.get_closest_marker("matmul_precision")
+    name = marker.args[0] if marker else "highest"
+    if jax.default_backend() != "gpu" or name is None:
         yield
         return
-    marker = request.node.get_closest_marker("matmul_precision")
-    with jax.default_matmul_precision(marker.args[0] if marker else "highest"):
+    with jax.default_matmul_precision(name):
         yield

@@ -38,6 +38,7 @@ def test_current_reads_jax_setting_for_float32_only(setting, name):
             assert precision.current("float32") == (name if setting is not None else "highest")
 
 
+@pytest.mark.matmul_precision(None)  # a context set around the test would win over the global value
 def test_current_reads_the_config_value():
     before = jax.config.jax_default_matmul_precision
     jax.config.update("jax_default_matmul_precision", "float32")
