@@ -61,9 +61,8 @@ def dropout_keep_reference(seed, rate, batch, heads, seq):
         i = np.arange(seq, dtype=np.uint32)[:, None]
         j = np.arange(seq, dtype=np.uint32)[None, :]
         bh = np.arange(batch * heads, dtype=np.uint32).reshape(batch, heads, 1, 1)
-        x = _fmix32((i * np.uint32(0x9E3779B1)) ^ (j * np.uint32(0x85EBCA77) + np.uint32(0x27D4EB2F)))
-        x = _fmix32(x ^ (bh * np.uint32(0xC2B2AE3D) + seed[0]))
-        x = _fmix32(x ^ seed[1])
+        key = _fmix32(_fmix32(bh * np.uint32(0xC2B2AE3D) + seed[0]) ^ seed[1])
+        x = _fmix32((i * np.uint32(0x9E3779B1)) ^ (j * np.uint32(0x85EBCA77) + key))
     return x >= np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 

@@ -119,6 +119,20 @@ def test_dropout_keep_depends_only_on_seed_batch_head_and_positions():
     assert np.asarray(modifiers.dropout_keep(seed, 0.0, bh, pos, pos)).all()
 
 
+@pytest.mark.parametrize("rate", [0.1, 0.5])
+def test_dropout_keep_has_no_visible_structure(rate):
+    """Neighbouring rows, columns, diagonals and heads agree as often as independent draws would."""
+    pos = jnp.arange(1024, dtype=jnp.int32)
+    keep = np.asarray(modifiers.dropout_keep(jnp.asarray(SEED), rate, jnp.arange(2).reshape(2, 1, 1), pos, pos))
+    p = 1.0 - rate
+    independent = p * p + (1 - p) * (1 - p)
+    pairs = {"rows": (keep[:, 1:], keep[:, :-1]), "columns": (keep[:, :, 1:], keep[:, :, :-1]),
+             "diagonal": (keep[:, 1:, 1:], keep[:, :-1, :-1]), "anti-diagonal": (keep[:, 1:, :-1], keep[:, :-1, 1:]),
+             "heads": (keep[1], keep[0]), "rows 64 apart": (keep[:, 64:], keep[:, :-64])}
+    for name, (a, b) in pairs.items():  # about 1M pairs each: 4 sigma is under 0.002
+        assert abs((a == b).mean() - independent) < 0.003, name
+
+
 def test_dropout_batch_head_counts_global_heads():
     b, h = np.arange(2).reshape(2, 1), np.arange(4).reshape(1, 4)
     np.testing.assert_array_equal(modifiers.dropout_batch_head(None, b, h, 4), b * 4 + h)

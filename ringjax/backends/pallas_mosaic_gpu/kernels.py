@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
 from ringjax.core.masks import Extras, TokenInfo, is_sink_step, may_skip, visible_pairs
-from ringjax.core.modifiers import LOG2E, alibi_distance_pairs, cap_slope, dropout_keep_pairs, logits2
+from ringjax.core.modifiers import (
+    LOG2E,
+    alibi_distance_pairs,
+    cap_slope,
+    dropout_keep_terms,
+    dropout_key,
+    dropout_terms,
+    logits2,
+)
 from ringjax.core.tiles import block_stride
 from ringjax.core.visits import block_starts, range_table, sink_range_table
 from ringjax.options import AttentionOptions
@@ -107,12 +116,24 @@ def _segments(seg_ref, smem, bar, b, block, size: int, wg, axis: int):
     return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(axis))
 
 
-def _tile_positions(shape, row0, col0, walk: _Walk):
-    """Global positions of a [rows, cols] tile's rows and columns, int32 in the wgmma layout."""
+class _Pos(NamedTuple):
+    """Global positions of a [rows, cols] tile: int32 vectors in the wgmma layouts of its rows and columns."""
+
+    rows: jax.Array
+    cols: jax.Array
+
+    def full(self):
+        """(row, column) positions of every element, in the tile's wgmma layout."""
+        shape = (self.rows.shape[0], self.cols.shape[0])
+        return lax.broadcast_in_dim(self.rows, shape, [0]), lax.broadcast_in_dim(self.cols, shape, [1])
+
+
+def _tile_positions(shape, row0, col0, walk: _Walk) -> _Pos:
+    """The positions of a [rows, cols] tile's rows and columns (per-element arithmetic stays per vector)."""
     lay = plgpu.Layout.WGMMA
-    rpos = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=lay)
-    cpos = col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay)
-    return rpos, cpos
+    rows = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=lay.reduce(1))
+    cols = col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=lay.reduce(0))
+    return _Pos(rows, cols)
 
 
 def _mask(opts, rpos, cpos, rows_are_queries: bool, row_seg=None, col_seg=None):
@@ -129,30 +150,34 @@ def _mask(opts, rpos, cpos, rows_are_queries: bool, row_seg=None, col_seg=None):
 
 @dataclasses.dataclass(frozen=True)
 class _Mods:
-    """The score modifiers of one (batch row, head): ALiBi's slope and dropout's (batch, head) counter."""
+    """The score modifiers of one (batch row, head): ALiBi's slope and dropout's key."""
 
     slope: jax.Array | None  # this head's ALiBi slope (natural units)
-    batch_head: jax.Array | None  # dropout's counter b * heads + h, global heads
-    seeds: tuple | None  # dropout's two uint32 seed words
+    key: jax.Array | None  # dropout's uint32 key of (seed, b * heads + h in global heads)
 
     @classmethod
     def read(cls, opts, refs, b, head):
         slopes_ref, seed_ref, bh_ref = refs
         slope = slopes_ref[head] if opts.has_alibi else None
+        key = None
         if opts.dropout_rate > 0:
-            return cls(slope, b * bh_ref[0] + bh_ref[1] + head, (seed_ref[0], seed_ref[1]))
-        return cls(slope, None, None)
+            key = dropout_key(seed_ref[0], seed_ref[1], b * bh_ref[0] + bh_ref[1] + head)
+        return cls(slope, key)
 
-    def distance(self, rpos, cpos):
-        """-|i - j| of the tile (ALiBi's factor), or None without ALiBi."""
-        return None if self.slope is None else alibi_distance_pairs(rpos, cpos)
+    def distance(self, full):
+        """-|i - j| of the tile from its `_Pos.full()` positions (ALiBi's factor), or None without ALiBi."""
+        return None if self.slope is None else alibi_distance_pairs(*full)
 
-    def keep(self, opts, rpos, cpos, rows_are_queries: bool):
+    def keep(self, opts, pos: _Pos, rows_are_queries: bool):
         """Dropout's keep mask of the tile (core/modifiers' hash), or None without dropout."""
-        if self.seeds is None:
+        if self.key is None:
             return None
-        qpos, kpos = (rpos, cpos) if rows_are_queries else (cpos, rpos)
-        return dropout_keep_pairs(*self.seeds, opts.dropout_rate, self.batch_head, qpos, kpos)
+        qpos, kpos = (pos.rows, pos.cols) if rows_are_queries else (pos.cols, pos.rows)
+        qterm, kterm = dropout_terms(self.key, qpos, kpos)  # per vector; only the mixing is per element
+        shape = (pos.rows.shape[0], pos.cols.shape[0])
+        q_axis, k_axis = (0, 1) if rows_are_queries else (1, 0)
+        return dropout_keep_terms(opts.dropout_rate, lax.broadcast_in_dim(qterm, shape, [q_axis]),
+                                  lax.broadcast_in_dim(kterm, shape, [k_axis]))
 
 
 def _mod_refs(opts, refs: _Refs):
@@ -451,10 +476,10 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
                 pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
             if not fold:
-                s, _ = _scores2(s, opts, mods.distance(*pos) if opts.has_alibi else None, mods)
+                s, _ = _scores2(s, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
             if kind == "masked":
                 kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                s = jnp.where(_mask(opts, *pos, True, qseg, kseg), s, -jnp.inf)
+                s = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1) * scale)
             # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
@@ -462,7 +487,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
-            keep = mods.keep(opts, *pos, True) if opts.dropout_rate > 0 else None
+            keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
             if keep is not None:
                 p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
             p16 = p.astype(q_ref.dtype)
@@ -658,13 +683,13 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             pos = dist = None
             if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
                 pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
-                dist = mods.distance(*pos)
+                dist = mods.distance(pos.full())
             s2, t = _scores2(s, opts, dist, mods)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
                 kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                p = jnp.where(_mask(opts, *pos, True, qseg, kseg), p, 0.0)
-            keep = mods.keep(opts, *pos, True) if opts.dropout_rate > 0 else None
+                p = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), p, 0.0)
+            keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
             if keep is not None:
                 dp = jnp.where(keep, dp * _keep_scale(opts), 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))  # d loss / d logit
@@ -746,13 +771,13 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 pos = None
                 if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
                     pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
-                st2, t = _scores2(st, opts, mods.distance(*pos) if opts.has_alibi else None, mods)
+                st2, t = _scores2(st, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if kind == "masked":
                     qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
-                    pt = jnp.where(_mask(opts, *pos, False, kseg, qseg), pt, 0.0)
-                keep = mods.keep(opts, *pos, False) if opts.dropout_rate > 0 else None
+                    pt = jnp.where(_mask(opts, *pos.full(), False, kseg, qseg), pt, 0.0)
+                keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
                 kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                 pt16 = kept.astype(q_ref.dtype)
 
