@@ -274,7 +274,8 @@ def run_strategies(args, rec: Recorder):
 def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict, dict | str]]:
     """(feature, shape, ring_attention keywords, cuDNN keywords or why cuDNN is left out) at length t."""
     heads = shape.heads
-    half, double = (dataclasses.replace(shape, head_dim=d) for d in (shape.head_dim // 2, shape.head_dim * 2))
+    dims = (shape.head_dim // 2, shape.head_dim * 3 // 4, shape.head_dim * 3 // 2, shape.head_dim * 2)
+    half, three_quarters, one_and_half, double = (dataclasses.replace(shape, head_dim=d) for d in dims)
     segments = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(shape.batch, 0)  # 4 documents
 
     def absent(what):
@@ -282,8 +283,7 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
 
     return [
         ("plain", shape, {}, {}),
-        (f"head_dim={half.head_dim}", half, {}, {}),
-        (f"head_dim={double.head_dim}", double, {}, {}),
+        *((f"head_dim={other.head_dim}", other, {}, {}) for other in (half, three_quarters, one_and_half, double)),
         ("float32", dataclasses.replace(shape, dtype="float32"), {}, "cuDNN attention has no float32"),
         ("alibi", shape, {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads)}, absent("ALiBi")),
         ("dropout", shape, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)}, absent("dropout")),
@@ -294,6 +294,35 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
         ("window", shape, {"sliding_window": args.window}, {"local_window_size": (args.window, 0)}),
         ("learnable_sinks", shape, {"sinks": jnp.zeros((heads,), jnp.float32)}, absent("learnable sinks")),
     ]
+
+
+def visible_fraction(t: int, options: dict) -> float:
+    """Visible (query, key) pairs of a causal call with `options` over the causal pairs T(T+1)/2, counted
+    exactly with the library's mask rule in blocks of rows (one batch row)."""
+    from ringjax.core.masks import TokenInfo, visible
+    from ringjax.options import AttentionOptions, normalize_window
+
+    seg = options.get("segment_ids")
+    opts = AttentionOptions(causal=True, window=normalize_window(options.get("sliding_window"), True),
+                            chunk_size=options.get("chunk_size"), num_sink_tokens=options.get("num_sink_tokens", 0),
+                            has_segments=seg is not None)
+    pos = jnp.arange(t, dtype=jnp.int32)
+    seg = None if seg is None else seg[:1]
+    # offset of each token in its segment (sink tokens and chunks restart per document)
+    segpos = pos[None] if seg is None else pos[None] - jax.vmap(
+        lambda s: jnp.searchsorted(s, s, side="left").astype(jnp.int32))(seg)
+    keys = TokenInfo(pos, seg, segpos)
+    rows = min(t, 2048)
+
+    @jax.jit
+    def count(start):
+        q = jax.lax.dynamic_slice_in_dim
+        info = TokenInfo(q(pos, start, rows), None if seg is None else q(seg, start, rows, 1),
+                         q(segpos, start, rows, 1))
+        return visible(opts, info, keys).sum(dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
+
+    total = sum(int(count(start)) for start in range(0, t, rows))
+    return total / (t * (t + 1) / 2)
 
 
 def run_coverage(args, rec: Recorder):
@@ -323,7 +352,11 @@ def run_coverage(args, rec: Recorder):
                 plain = timing
             cudnn = ({"skipped": cudnn_options} if isinstance(cudnn_options, str)
                      else timed_other("cudnn", True, inputs, flops, args, **cudnn_options))
-            rec.add(case, **timing, finite=finite, vs_plain=ratios(timing, plain) if plain else None, cudnn=cudnn)
+            # masks that hide pairs are compared on the work they leave: visible pairs per second
+            visible = significant(visible_fraction(t, options), 4)
+            vs = {m: (significant(x * visible, 3) if x else None) for m, x in ratios(timing, plain).items()} \
+                if plain else None
+            rec.add(case, **timing, finite=finite, visible=visible, vs_plain=vs, cudnn=cudnn)
         del inputs_by_shape
 
 
@@ -504,10 +537,10 @@ def table_coverage(rows):
             continue
         vs = r.get("vs_plain") or {}
         body.append([kilo(c["T"]), c["feature"], r.get("implementation"), r.get("fwd_tflops"),
-                     r.get("fwd_bwd_tflops"), vs.get("fwd"), vs.get("fwd_bwd"),
+                     r.get("fwd_bwd_tflops"), r.get("visible", "—"), vs.get("fwd"), vs.get("fwd_bwd"),
                      tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")])
-    return markdown_table(["T", "feature", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "fwd vs plain",
-                           "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"], body)
+    return markdown_table(["T", "feature", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "visible",
+                           "fwd vs plain", "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"], body)
 
 
 def table_precision(rows):
@@ -728,8 +761,9 @@ SUITES = {
         run_coverage, table_coverage, plot_coverage,
         help="features (ALiBi, dropout, windows, ...) against the plain case on one device",
         caption="Causal, one device. TFLOP/s counts the dense causal work at each row's head_dim, so masks that "
-                "hide more (window, chunked, segments) read above plain; vs plain: TFLOP/s over the plain row's. "
-                "implementation: what implementation=\"auto\" ran.",
+                "hide more (window, chunked, segments, sink tokens) read above plain; visible: the fraction of the "
+                "causal (query, key) pairs the mask leaves; vs plain: visible pairs per second over the plain "
+                "row's (TFLOP/s ratio times visible). implementation: what implementation=\"auto\" ran.",
         label="feature",
         devices="one", defaults={"seqs": [8192, 32768], "window": 1024, "chunk": 2048},
         tiny={"seqs": [256], "window": 64, "chunk": 64}),
@@ -795,7 +829,8 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--no-causal", dest="causal", action="store_false")
         if name == "coverage":
             s.add_argument("--features", type=lambda x: x.split(","),
-                           help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<2D>, float32, alibi, "
+                           help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<3D/4>, head_dim=<3D/2>, "
+                                "head_dim=<2D>, float32, alibi, "
                                 "dropout, sink_tokens, chunked, segments, soft_cap, window, learnable_sinks "
                                 "(default: all)")
             s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")

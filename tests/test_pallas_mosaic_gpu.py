@@ -178,6 +178,26 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
 
 
+HEAD_DIM_CASES = [
+    ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True)),
+    ("zigzag", 2, 1, 0, 256, "float16", dict(causal=True, alibi=True, dropout_rate=0.2)),
+    ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, window=(90, 0), segments=True)),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [96, 192, 256])  # above 128 the backward splits the head_dim
+@pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", HEAD_DIM_CASES)
+def test_step_head_dims(layout, n, shard, src, local, dtype, kw, head_dim):
+    kw = dict(kw)
+    batch = 2 if kw.get("segments") else 1
+    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    config = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, dkv_num_stages=2,  # fits head_dim 256
+                             interpret=not ON_HOPPER)
+    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments, config=config,
+                **kw)
+
+
 @needs_kernels
 def test_step_with_row_tile_pairing_under_gqa():
     """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
@@ -210,6 +230,13 @@ RING_CASES = [
      dict(causal=True, dropout_rate=0.1, logits_soft_cap=20.0)),
     (2, "contiguous", "float16", dict(seq=1024, heads=4, kv_heads=2, head_dim=64),
      dict(causal=True, sliding_window=100, num_sink_tokens=3)),
+    # head_dims beyond 64 and 128 (above 128 the backward splits the head_dim between its consumers)
+    (1, "contiguous", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=256), dict(causal=True)),
+    (2, "zigzag", "float16", dict(seq=512, heads=4, kv_heads=2, head_dim=192, alibi=True), dict(causal=True)),
+    (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=1, head_dim=96, dropout_key=2),
+     dict(causal=True, dropout_rate=0.1)),
+    (1, "contiguous", "bfloat16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=256, segments="random"),
+     dict(causal=True, sliding_window=150)),
 ]
 
 
@@ -247,8 +274,8 @@ def _problem(**kw):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(dtype="float32"), "dtype float32 is not supported"),
-    (dict(head_dim=256), "head_dim 256 is not supported"),
-    (dict(head_dim=96), "head_dim 96 is not supported"),
+    (dict(head_dim=512), "head_dim 512 is not supported: needs 64, 96, 128, 192 or 256"),
+    (dict(head_dim=80), "head_dim 80 is not supported"),
     (dict(opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
      "sink tokens of packed documents (`num_sink_tokens` with `segment_ids`) is not implemented in pallas_mosaic_gpu"),
     (dict(seq=192, opts=AttentionOptions(layout="contiguous", subshards=2)),
@@ -322,6 +349,11 @@ def test_candidates_fit_shared_memory():
     assert cands and IMPLEMENTATION.default_config(_problem()) in cands
     for cfg in cands:
         assert max(cfg.smem_bytes(128).values()) <= SMEM_LIMIT
+    for d in (96, 192, 256):  # the big head_dims keep candidates within the budget, the default among them
+        problem = _problem(head_dim=d)
+        cands = IMPLEMENTATION.candidate_configs(problem)
+        assert IMPLEMENTATION.default_config(problem) in cands
+        assert all(max(cfg.smem_bytes(d).values()) <= SMEM_LIMIT for cfg in cands)
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
@@ -329,7 +361,8 @@ def test_candidates_fit_shared_memory():
     dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
     dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
 ])
-def test_kernels_lower_to_mosaic_gpu_for_cuda(kw):
+@pytest.mark.parametrize("d", [96, 128, 256])
+def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -345,13 +378,13 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw):
         pos = jnp.arange(t, dtype=jnp.int32)
         qi = TokenInfo(pos, seg, pos[None])
         ki = TokenInfo(pos - t, seg, pos[None] - t)
-        cfg = MosaicGpuConfig()
+        cfg = IMPLEMENTATION.default_config(_problem(head_dim=d))
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
 
     s = jax.ShapeDtypeStruct
-    args = (s((1, t, 8, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16), s((1, t, 2, 128), jnp.bfloat16),
-            s((1, t, 8, 128), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16),
+            s((1, t, 8, d), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
             s((1, t), jnp.int32))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3

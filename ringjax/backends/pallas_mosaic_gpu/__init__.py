@@ -3,7 +3,7 @@
 Registered above "pallas_triton", so "auto" prefers it on Hopper for every call it supports.
 """
 
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
+from ringjax.backends.pallas_mosaic_gpu.config import HEAD_DIMS, ROWS, MosaicGpuConfig
 from ringjax.core.features import Support
 from ringjax.dispatch.registry import register
 
@@ -11,8 +11,8 @@ SUPPORT = Support(
     features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
                         "alibi_slopes", "dropout", "num_sink_tokens", "all_gather", "ulysses"}),
     dtypes=("bfloat16", "float16"),
-    head_dims=lambda d: d in (64, 128),
-    head_dims_text="64 or 128",
+    head_dims=lambda d: d in HEAD_DIMS,
+    head_dims_text=", ".join(map(str, HEAD_DIMS[:-1])) + f" or {HEAD_DIMS[-1]}",
     min_seq_multiple=ROWS,
 )
 

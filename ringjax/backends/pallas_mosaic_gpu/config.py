@@ -9,6 +9,14 @@ from ringjax.core.problem import KernelConfig, int_in, one_of
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
 _BLOCKS = (64, 128, 256)
+# wgmma takes any multiple of 16 up to 256; these are the sizes models use and the tests cover
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def epilogue_slots(head_dim: int) -> int:
+    """Shared-memory slots per consumer for writing results out: one above head_dim 128 (the 16 KiB the
+    second would take are what 256-wide tiles need)."""
+    return 1 if head_dim > 128 else 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +47,12 @@ class MosaicGpuConfig(KernelConfig):
         """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""
         d = head_dim
         tile = ROWS * d * itemsize  # one warpgroup's q, dO, K or V tile
-        epilogue = 2 * 2 * ROWS * 32 * 4  # two float32 slots of 32 columns per warpgroup
+        # the backward's consumers share their tiles when they split the head_dim (kernels.split_head_dim)
+        bwd_tiles = 2 * tile if d > 128 else 4 * tile
+        epilogue = 2 * epilogue_slots(d) * ROWS * 32 * 4  # float32 slots of 32 columns per warpgroup
         seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
         fwd = 2 * tile + 2 * self.num_stages * self.block_kv * d * itemsize + epilogue + 2 * ROWS * 4
-        dq = 4 * tile + 2 * self.dq_num_stages * self.dq_block_kv * d * itemsize + epilogue + 4 * ROWS * 4
-        dkv = 4 * tile + self.dkv_num_stages * (2 * self.dkv_block_q * d * itemsize + 2 * self.dkv_block_q * 4)
+        dq = bwd_tiles + 2 * self.dq_num_stages * self.dq_block_kv * d * itemsize + epilogue + 4 * ROWS * 4
+        dkv = bwd_tiles + self.dkv_num_stages * (2 * self.dkv_block_q * d * itemsize + 2 * self.dkv_block_q * 4)
         dkv += epilogue
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}

@@ -107,6 +107,8 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
 def default_config(problem: Problem) -> MosaicGpuConfig:
     if problem.head_dim <= 64:
         return MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=3)
+    if problem.head_dim > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
+        return MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2)
     return MosaicGpuConfig()
 
 
@@ -126,7 +128,7 @@ class PallasMosaicGpuImplementation:
         # stages lost 10-15%); the rest differ by a few percent, so the tuner decides
         out = []
         for pair_heads in (True, False):
-            for block_kv, stages in ((128, 2), (64, 3)):
+            for block_kv, stages in ((128, 2), (64, 3), (64, 2)):
                 for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
                     cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
                                           dkv_num_stages=dkv_stages, pair_heads=pair_heads)

@@ -14,6 +14,10 @@ slots (`*_stages` deep), guarded by one "loaded" barrier per slot and buffer and
 - dK/dV: a consumer owns 64 keys of one KV head; (q, dO, lse, delta) tiles of every query
   head of the group stream, so dK/dV come out reduced over the group: S^T = K Q^T,
   dV += P^T dO, dP^T = V dO^T, dK += dS^T Q.
+- head_dim > 128 in the backward: the two float32 accumulators of a 256-wide row do not fit a
+  thread's registers, so both consumers take the same row tile and each accumulates one half
+  of the head_dim; every d-wide tile is stored as two halves, and S and dP sum a wgmma per half
+  (each consumer computes them whole: the price of the split).
 
 Visiting: per 64-row tile the producer and consumers walk the blocks [lo, hi) of a table
 built in XLA (`visits.range_table`): fully visible blocks take no mask, the others get the
@@ -41,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots
 from ringjax.core.masks import Extras, TokenInfo, is_sink_step, may_skip, visible_pairs
 from ringjax.core.modifiers import (
     LOG2E,
@@ -77,6 +81,15 @@ class _Walk:
     col_stride: int  # position step inside a streamed block
     n_ctas: int  # CTAs along the rows
     prefix: bool = False  # the table starts with a range of sink-token blocks visited before [lo, hi)
+    # backward with head_dim > 128: both consumers take the same row tile, each accumulates half of the
+    # head_dim (the two float32 accumulators of a whole 256-wide row do not fit a thread's registers);
+    # tiles are stored as two halves [2, rows, d / 2] and the scores sum a wgmma per half
+    split: bool = False
+
+
+def split_head_dim(head_dim: int) -> bool:
+    """Whether the backward kernels split the head_dim between the two consumers (`_Walk.split`)."""
+    return head_dim > 128
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -96,9 +109,10 @@ class _Refs:
 
 
 def _transforms(cols: int, dtype):
-    """Tiling + 128-byte swizzle for a [rows, cols] shared-memory tile (what wgmma and TMA want)."""
+    """Tiling + the widest swizzle (128, 64 or 32 bytes) that tiles a row of a [rows, cols] shared-memory
+    tile (what wgmma and TMA want): 96 bf16 columns take 64-byte swizzles."""
     item = jnp.dtype(dtype).itemsize
-    swizzle = min(128, cols * item)
+    swizzle = next(w for w in (128, 64, 32) if (cols * item) % w == 0)
     return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -280,11 +294,12 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
 
 
 def _write_rows(acc, smem, wg, dst):
-    """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via two SMEM slots."""
-    d = acc.shape[1]
+    """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via the SMEM slots of
+    `_epilogue_smem`."""
+    d, slots = acc.shape[1], smem.shape[1]
     for c in range(d // _EPI):
-        slot = c % 2
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the slot's previous copy has read it
+        slot = c % slots
+        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous copy has read it
         smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem.at[wg, slot], dst.at[:, pl.ds(c * _EPI, _EPI)])
@@ -299,8 +314,18 @@ def _drain(steps, stages: int, *free):
             plgpu.barrier_wait(bar.at[lax.rem(i, jnp.int32(stages))])
 
 
-def _epilogue_smem():
-    return plgpu.SMEM((2, 2, ROWS, _EPI), jnp.float32, transforms=_transforms(_EPI, jnp.float32))
+def _stream_smem(stages: int, rows: int, d: int, dtype, split: bool):
+    """Shared-memory slots of a streamed [rows, d] operand: [stages, rows, d], or [stages, 2, rows, d / 2]."""
+    if split:
+        return plgpu.SMEM((stages, 2, rows, d // 2), dtype, transforms=_transforms(d // 2, dtype))
+    return plgpu.SMEM((stages, rows, d), dtype, transforms=_transforms(d, dtype))
+
+
+def _epilogue_smem(head_dim: int):
+    """Per consumer, float32 [64, 32] slots for `_write_rows`: two to overlap the copies, one when the
+    head_dim leaves no room (`config.epilogue_slots`)."""
+    return plgpu.SMEM((2, epilogue_slots(head_dim), ROWS, _EPI), jnp.float32,
+                      transforms=_transforms(_EPI, jnp.float32))
 
 
 def _dot(a, b, transpose_b: bool):
@@ -335,16 +360,19 @@ def _mma_fresh(shape, a, b, *, transpose_b: bool = False, between=None, emulate:
 
 
 def _mma(accs, terms, emulate: bool = False, between=None):
-    """[acc + a @ b (b^T) for each acc and (a, b, transpose_b)], issued together, awaited once."""
+    """[acc + a @ b (b^T) for each acc and (a, b, transpose_b)], issued together, awaited once; a term may
+    be a list of such triples, summed into its accumulator (the halves of a split head_dim)."""
+    terms = [t if isinstance(t, list) else [t] for t in terms]
     if emulate:
-        out = [acc + _dot(_operand(a), b[...], tb) for acc, (a, b, tb) in zip(accs, terms)]
+        out = [acc + sum(_dot(_operand(a), b[...], tb) for a, b, tb in parts) for acc, parts in zip(accs, terms)]
         if between is not None:
             between()
         return out
 
     def body(refs):
-        for ref, (a, b, tb) in zip(refs, terms):
-            plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
+        for ref, parts in zip(refs, terms):
+            for a, b, tb in parts:
+                plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
         if between is not None:
             between()
 
@@ -363,6 +391,8 @@ def _row_tile(walk: _Walk, cta, wg):
     """(row tile index, head offset within the CTA's pair) of consumer `wg`."""
     if walk.heaviest_last:
         cta = walk.n_ctas - 1 - cta
+    if walk.split:
+        return cta, 0
     if walk.pair_heads:
         return cta, wg
     return 2 * cta + wg, 0
@@ -386,7 +416,27 @@ def _consumer_share(wg, tiles, heads, bounds):
     return pick(tiles[0][0], tiles[1][0]), pick(heads[0], heads[1]), [pick(a, c) for a, c in zip(*bounds)]
 
 
-def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, free):
+def _parts(wg):
+    """Indices 0 and 1 of a split tile's halves, as traced values (Mosaic GPU's lowering rejects constant
+    indices into a transformed shared-memory ref inside a wgmma)."""
+    zero = wg - wg
+    return zero, zero + 1
+
+
+def _halves(split: bool, d: int):
+    """(column index, part) of each stored part of a d-wide tile: the whole, or two halves (`_Walk.split`)."""
+    if not split:
+        return [((), ())]
+    return [((pl.ds(j * (d // 2), d // 2),), (j,)) for j in (0, 1)]
+
+
+def _load(ref, idx, dst, bar, split: bool):
+    """TMA copy of the [rows, d] tile ref[idx] into `dst`, whole or as two halves (one arrival each)."""
+    for cols, part in _halves(split, ref.shape[-1]):
+        plgpu.copy_gmem_to_smem(ref.at[(*idx, *cols)], dst.at[part], bar)
+
+
+def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, free, split: bool = False):
     """Producer of the forward and dQ kernels: the K and V blocks of `span`, KV head `kvh`, by TMA.
 
     Visit i goes to slot i % stages once both consumers have released that slot's last use;
@@ -403,7 +453,7 @@ def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, fr
             def _():
                 plgpu.barrier_wait(released.at[slot])
 
-            plgpu.copy_gmem_to_smem(ref.at[rows], buf.at[slot], bar.at[slot])
+            _load(ref, rows, buf.at[slot], bar.at[slot], split)
 
     _drain(span.steps, stages, *free)
 
@@ -535,15 +585,16 @@ def _keys_natural(opts: AttentionOptions) -> bool:
 
 
 def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
-              pair_heads: bool = True, prefix: bool = False) -> _Walk:
+              pair_heads: bool = True, prefix: bool = False, split: bool = False) -> _Walk:
     """Pairing and strides of one launch: `t // 64` row tiles against `s // block` streamed blocks."""
     q_len, k_len, bq, bk = (s, t, block, ROWS) if transpose else (t, s, ROWS, block)
     strides = (block_stride(opts, q_len, bq), block_stride(opts, k_len, bk, natural=_keys_natural(opts)))
-    pair_heads = pair_heads and not transpose and groups % 2 == 0
+    pair_heads = pair_heads and not transpose and not split and groups % 2 == 0
     n_tiles = t // ROWS
     return _Walk(block=block, n_blocks=s // block, stages=stages, ranged=may_skip(opts), pair_heads=pair_heads,
                  heaviest_last=opts.causal and not transpose, row_stride=strides[transpose],
-                 col_stride=strides[not transpose], n_ctas=n_tiles if pair_heads else n_tiles // 2, prefix=prefix)
+                 col_stride=strides[not transpose], n_ctas=n_tiles if pair_heads or split else n_tiles // 2,
+                 prefix=prefix, split=split)
 
 
 def _unify(args):
@@ -600,7 +651,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
         plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt)),
         plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
         plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
-        _epilogue_smem(),
+        _epilogue_smem(d),
         plgpu.SMEM((2, ROWS), jnp.float32),
     ]
     if has_seg:
@@ -657,13 +708,18 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
         rows = (b, pl.ds(q0, ROWS), head)
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_bar.at[2 + wg])
+        # split: consumer wg loads half wg of the shared q and dO tiles, and waits for both halves
+        mine = (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
+        plgpu.copy_gmem_to_smem(q_ref.at[mine], q_smem.at[wg], q_bar.at[wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[mine], do_smem.at[wg], q_bar.at[2 + wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[b, head, pl.ds(q0, ROWS)], lse_smem.at[wg], q_bar.at[4 + wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[b, head, pl.ds(q0, ROWS)], delta_smem.at[wg], q_bar.at[6 + wg])
         qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         for i in range(4):
             plgpu.barrier_wait(q_bar.at[2 * i + wg])
+        if walk.split:
+            plgpu.barrier_wait(q_bar.at[1 - wg])
+            plgpu.barrier_wait(q_bar.at[3 - wg])
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
@@ -677,8 +733,12 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 plgpu.barrier_arrive(v_free.at[slot])
                 return carry
 
-            s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))],
-                         [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)], emulate)
+            if walk.split:  # the scores sum the two halves of the head_dim
+                terms = [[(q_smem.at[j], k_smem.at[slot].at[j], True) for j in _parts(wg)],
+                         [(do_smem.at[j], v_smem.at[slot].at[j], True) for j in _parts(wg)]]
+            else:
+                terms = [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)]
+            s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))], terms, emulate)
             plgpu.barrier_arrive(v_free.at[slot])
             pos = dist = None
             if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
@@ -699,25 +759,33 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
 
-            (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
+            (dq,) = _mma([dq], [(ds16, k_smem.at[slot].at[wg] if walk.split else k_smem.at[slot], False)], emulate)
             plgpu.barrier_arrive(k_free.at[slot])
             return dq, dslope
 
-        init = (_zeros((ROWS, d)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None)
+        dq_cols = d // 2 if walk.split else d
+        init = (_zeros((ROWS, dq_cols)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None)
         dq, dslope = _walk_tile(span, my, step, init, walk)
         dq = dq * opts.softmax_scale
-        _write_rows(dq, o_smem, wg, dq_ref.at[rows])
+        _write_rows(dq, o_smem, wg, dq_ref.at[mine])
         if opts.has_alibi:  # lse is in registers: its shared-memory row carries the slope's gradient out
-            lse_smem.at[wg][...] = dslope
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
+
+            def write_dslope():
+                lse_smem.at[wg][...] = dslope
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
+
+            if walk.split:  # both consumers hold the same rows' gradient
+                pl.when(wg == 0)(write_dslope)
+            else:
+                write_dslope()
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
         _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), span, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
-                   (k_bar, v_bar), (k_free, v_free))
+                   (k_bar, v_bar), (k_free, v_free), split=walk.split)
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
@@ -734,7 +802,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     b = lax.axis_index("b")
     kvh, cta = lax.axis_index("h"), lax.axis_index("k")
     row = b if has_seg else 0
-    tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
+    tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]  # split: one tile
     bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
     span = _Span.union(*bounds)
     wg = lax.axis_index("wg")
@@ -747,11 +815,13 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         k0 = tile * ROWS
         kpos0 = kstart_ref[tile]
         rows = (b, pl.ds(k0, ROWS), kvh)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_bar.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_bar.at[2 + wg])
+        # split: consumer wg loads half wg of the shared K and V tiles, and waits for both halves
+        mine = (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
+        plgpu.copy_gmem_to_smem(k_ref.at[mine], k_smem.at[wg], kv_bar.at[wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[mine], v_smem.at[wg], kv_bar.at[2 + wg])
         kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
-        plgpu.barrier_wait(kv_bar.at[wg])
-        plgpu.barrier_wait(kv_bar.at[2 + wg])
+        for i in range(4) if walk.split else (wg, 2 + wg):
+            plgpu.barrier_wait(kv_bar.at[i])
 
         def head(gi, carry):
             mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
@@ -767,7 +837,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     plgpu.barrier_arrive(free.at[slot])
                     return carry
 
-                st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
+                if walk.split:  # the scores sum the two halves of the head_dim
+                    halves = [(k_smem.at[j], q_smem.at[slot].at[j], True) for j in _parts(wg)]
+                    (st,) = _mma([_zeros((ROWS, bq))], [halves], emulate)
+                else:
+                    st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
                 pos = None
                 if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
                     pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
@@ -781,8 +855,12 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                 pt16 = kept.astype(q_ref.dtype)
 
-                dv, dpt = _mma([dv, _zeros((ROWS, bq))],
-                               [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)], emulate)
+                if walk.split:
+                    terms = [(pt16, do_smem.at[slot].at[wg], False),
+                             [(v_smem.at[j], do_smem.at[slot].at[j], True) for j in _parts(wg)]]
+                else:
+                    terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
+                dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
                 if keep is not None:
                     dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
                 delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
@@ -791,16 +869,17 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     dst = dst * cap_slope(t)
                 dst16 = dst.astype(q_ref.dtype)
 
-                (dk,) = _mma([dk], [(dst16, q_smem.at[slot], False)], emulate)
+                (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)], emulate)
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 
             return _walk_tile(span, my, step, carry, walk)
 
-        dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, d)), _zeros((ROWS, d))))
+        cols = d // 2 if walk.split else d
+        dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, cols)), _zeros((ROWS, cols))))
         dk = dk * opts.softmax_scale
-        _write_rows(dk, o_smem, wg, dk_ref.at[rows])
-        _write_rows(dv, o_smem, wg, dv_ref.at[rows])
+        _write_rows(dk, o_smem, wg, dk_ref.at[mine])
+        _write_rows(dv, o_smem, wg, dv_ref.at[mine])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -820,9 +899,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             def _():
                 plgpu.barrier_wait(free.at[slot])
 
-            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+            _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
             plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
-            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
+            _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
             plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
 
         _drain(groups * span.steps, stages, free)
@@ -848,18 +927,21 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     s, g, has_seg, dt = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype
     bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
     rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
+    split = split_head_dim(d)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
-                     prefix=prefix)
+                     prefix=prefix, split=split)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk),
                    *_segment_args(q_info, k_info), *mods])
-    tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
-    scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
-               plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
-               plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)), _epilogue_smem()]
+    # two consumers' tiles, or (split) the two halves of the consumers' shared tile
+    tile = plgpu.SMEM((2, ROWS, d // 2 if split else d), dt, transforms=_transforms(d // 2 if split else d, dt))
+    stream = _stream_smem(walk.stages, bk, d, dt, split)
+    scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32), stream, stream,
+               _epilogue_smem(d)]
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
+    loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
     scratch += [plgpu.Barrier(num_barriers=8),  # q, dO, lse, delta: barrier 2 * i + consumer
-                plgpu.Barrier(num_barriers=walk.stages), plgpu.Barrier(num_barriers=walk.stages),
+                loaded, loaded,
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
@@ -877,19 +959,23 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     b, t, h, d = q.shape
     s, kvh, has_seg, dt = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype
     g = h // kvh
-    tile = plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt))
+    split = split_head_dim(d)
+    # two consumers' tiles, or (split) the two halves of the consumers' shared tile
+    tile = plgpu.SMEM((2, ROWS, d // 2 if split else d), dt, transforms=_transforms(d // 2 if split else d, dt))
     bq = _fit(t, config.dkv_block_q, opts)
-    walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True)
+    walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
     rng, _ = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS),
                    *_segment_args(q_info, k_info), *mods])
-    stream = plgpu.SMEM((walk.stages, bq, d), dt, transforms=_transforms(d, dt))
+    stream = _stream_smem(walk.stages, bq, d, dt, split)
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
-    scratch = [tile, tile, stream, stream, vec, vec, _epilogue_smem()]
+    scratch = [tile, tile, stream, stream, vec, vec, _epilogue_smem(d)]
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq), jnp.int32)]
-    scratch += [plgpu.Barrier(num_barriers=4)] + [plgpu.Barrier(num_barriers=walk.stages)] * 4 + [
-        plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
+    loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
+    scratch += [plgpu.Barrier(num_barriers=4), loaded, loaded,  # K/V tiles; q, dO
+                plgpu.Barrier(num_barriers=walk.stages), plgpu.Barrier(num_barriers=walk.stages),  # lse, delta
+                plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
     kv_struct = _compat.struct_like(k.shape, jnp.float32, args[0])
