@@ -9,6 +9,7 @@ when it is selected or inspected, so importing ringjax never imports an optional
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import pkgutil
 import warnings
@@ -26,6 +27,7 @@ from ringjax.core.problem import (  # noqa: F401  (re-exported: the dispatch voc
     current_platform,
     unknown_options,
 )
+from ringjax.dispatch import costs
 
 
 def run_per_device(impl: Implementation, problem: Problem, config, q, k, v, seg, sinks, extras):
@@ -113,10 +115,29 @@ def canonical_name(op: str, implementation: str) -> str:
     return new
 
 
+@functools.lru_cache(maxsize=None)
+def _host_device_kind(platform: str) -> str | None:
+    try:
+        return current_device_kind(platform)
+    except RuntimeError:  # no such platform on this host
+        return None
+
+
+def described(problem: Problem) -> bool:
+    """Whether `problem` names a device kind this host does not have (`python -m ringjax explain`)."""
+    return bool(problem.device_kind) and _host_device_kind(problem.platform) != problem.device_kind
+
+
 def refusal(reg: Registration, problem: Problem) -> str | None:
-    """Why `reg` cannot run `problem` here, or None."""
+    """Why `reg` cannot run `problem` here, or None.
+
+    For a device this host does not have (`described`), only the feature table can say: limits an
+    implementation checks on the device itself (GPU generation, shared memory) are assumed met.
+    """
     if problem.platform not in reg.platforms:
         return f"runs on {', '.join(reg.platforms)}, not {problem.platform}"
+    if described(problem):
+        return None if reg.support is None else reg.support.refusal(reg.name, problem)
     try:
         impl = reg.load()
     except ImportError as e:  # an optional dependency is missing
@@ -124,8 +145,23 @@ def refusal(reg: Registration, problem: Problem) -> str | None:
     return impl.supports(problem)
 
 
-def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration, Implementation]:
-    """Resolve "auto" or a name to a runnable implementation, or explain every refusal."""
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One implementation considered for a call: why it cannot run it, or its predicted time."""
+
+    registration: Registration
+    refusal: str | None
+    prediction: costs.Prediction | None
+
+    @property
+    def name(self) -> str:
+        return self.registration.name
+
+
+def candidates(op: str, implementation: str, problem: Problem) -> list[Candidate]:
+    """The implementations `implementation` may resolve to for `problem`, in the order "auto" prefers them:
+    those predicted (from the device kind's calibration, `dispatch/costs.py`) fastest forward + backward
+    first, then the unpredicted ones by priority; refused ones last. A name gives just that one."""
     implementation = canonical_name(op, implementation)
     regs = registrations(op)
     if implementation == "auto":
@@ -135,12 +171,22 @@ def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration
         if not regs:
             known = ", ".join(r.name for r in registrations(op))
             raise ValueError(f"implementation must be 'auto' or one of: {known}; got {implementation!r}")
-    reasons = []
+    calibration = costs.for_problem(problem)
+    found = []
     for reg in regs:
         why = refusal(reg, problem)
-        if why is None:
-            return reg, reg.load()
-        reasons.append(f"  {reg.name}: {why}")
+        found.append(Candidate(reg, why, None if why else costs.predict(calibration, reg.name, problem)))
+    # sorted is stable: registrations() is in priority order already
+    return sorted(found, key=lambda c: (c.refusal is not None, c.prediction is None,
+                                        c.prediction.fwd_bwd_s if c.prediction else 0.0))
+
+
+def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration, Implementation]:
+    """Resolve "auto" or a name to a runnable implementation (see `candidates`), or explain every refusal."""
+    found = candidates(op, canonical_name(op, implementation), problem)
+    if found and found[0].refusal is None:
+        return found[0].registration, found[0].registration.load()
+    reasons = [f"  {c.name}: {c.refusal}" for c in found]
     raise ValueError(
         f"no implementation of {op} can run this call (implementation={implementation!r}):\n" + "\n".join(reasons)
     )

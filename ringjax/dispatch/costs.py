@@ -1,0 +1,383 @@
+"""How long each implementation takes on a problem, from measurements shipped per device kind.
+
+A calibration file (`ringjax/configs/calibration/<device kind>.json`, or the user's own in
+`<cache dir>/calibration/`, which wins) holds measured kernel times (implementation, dtype, matmul
+precision, shape, features; forward and forward+backward milliseconds) and collective times. This
+module fits rates to them and predicts:
+
+- work: the visible (query, key) pairs of the slowest device, counted exactly from the mask rules
+  (causal, window, chunks, sink tokens, layout, ring size), times 4 * batch * heads * head_dim
+  FLOPs forward and 3.5x that forward + backward (FlashAttention's convention);
+- per implementation and dtype class: seconds = overhead * calls + work / rate, the rate and
+  overhead fitted to the plain rows (no feature but causal), the rate scaled by the measured
+  head_dim nearest to the problem's and slowed by each feature's measured factor (features that
+  were not measured are priced as plain and the prediction says so);
+- packed segments skip blocks by their ids, which a problem does not know: priced as no skip.
+
+`python -m ringjax calibrate` measures and writes a file; `calibrate.from_results` builds one from
+`benchmarks/results/*.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ringjax.core import precision as precisions
+from ringjax.core.features import FEATURES
+from ringjax.core.problem import Problem
+from ringjax.dispatch import cache
+
+FORMAT = "ringjax-calibration"
+SCHEMA = 1
+BACKWARD_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs (the benchmarks' convention)
+REFERENCE_HEAD_DIM = 128
+# data-dependent: how many blocks segments skip depends on the ids, which a problem does not carry
+_UNPRICED = frozenset({"segment_ids", "chunk_size_segments", "num_sink_tokens_segments", "all_gather", "ulysses"})
+MODES = ("fwd", "fwd_bwd")
+
+
+# ---------------------------------------------------------------------------- where calibrations live
+
+
+def shipped_dir() -> Path:
+    return cache.shipped_dir() / "calibration"
+
+
+def user_dir() -> Path:
+    return cache.cache_dir() / "calibration"
+
+
+def path_for(device_kind: str, *, shipped: bool = False) -> Path:
+    return (shipped_dir() if shipped else user_dir()) / f"{cache.file_stem(device_kind)}.json"
+
+
+# ---------------------------------------------------------------------------- work
+
+
+def _visible_keys(opts, q: np.ndarray, length: int) -> np.ndarray:
+    """Keys of [0, length) each query position in `q` sees, by masks.visible_pairs' rules without segments."""
+    lo = np.zeros_like(q)
+    hi = np.full_like(q, length - 1)
+    if opts.causal:
+        hi = np.minimum(hi, q)
+    if opts.window is not None:
+        left, right = opts.window
+        lo, hi = np.maximum(lo, q - left), np.minimum(hi, q + right)
+    if opts.chunk_size is not None:
+        start = q // opts.chunk_size * opts.chunk_size
+        lo, hi = np.maximum(lo, start), np.minimum(hi, start + opts.chunk_size - 1)
+    count = np.maximum(hi - lo + 1, 0)
+    if opts.num_sink_tokens:  # keys [0, top): the first s tokens, not in the query's future; less those seen
+        top = np.minimum(opts.num_sink_tokens, q + 1 if opts.causal else length)
+        overlap = np.maximum(np.minimum(top - 1, hi) - lo + 1, 0)
+        count = count + top - overlap
+    return count
+
+
+@functools.lru_cache(maxsize=256)
+def visible_pairs(opts, seq: int) -> int:
+    """Visible (query, key) pairs of the busiest device: `seq` local queries against the whole axis."""
+    from ringjax.layouts import local_positions
+
+    n = opts.axis_size
+    length = seq * n
+    busiest = 0
+    for shard in range(n):
+        q = local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
+        busiest = max(busiest, int(_visible_keys(opts, q, length).sum()))
+    return busiest
+
+
+def forward_flops(problem: Problem) -> float:
+    """Matmul FLOPs of the busiest device's forward: 4 * batch * heads * head_dim per visible pair."""
+    return 4.0 * problem.batch * problem.heads * problem.head_dim * visible_pairs(problem.opts, problem.seq)
+
+
+def calls(problem: Problem) -> int:
+    """Kernel calls a device makes: one per ring step it visits (one with K/V gathered)."""
+    from ringjax.core.schedule import ring_plan
+
+    if problem.opts.gather_kv or problem.opts.axis_size == 1:
+        return 1
+    return ring_plan(problem.opts, problem.seq).num_steps
+
+
+def dtype_class(dtype: str, precision: str = precisions.DEFAULT) -> str:
+    """What a rate is measured for: the dtype, and for float32 how its products are computed."""
+    if dtype != "float32":
+        return dtype
+    if precision in precisions.FULL_FLOAT32:
+        return "float32:full"
+    if precision in precisions.TF32:
+        return "float32:tf32"
+    return f"float32:{precision}"
+
+
+def cost_features(opts) -> tuple[str, ...]:
+    """Feature-table names a call uses that may cost per visible pair (causal and segments excluded)."""
+    return tuple(f.name for f in FEATURES if f.used(opts) and f.name != "causal" and f.name not in _UNPRICED)
+
+
+# ---------------------------------------------------------------------------- rates
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """Fitted times of one implementation at one dtype class: per mode (fwd, fwd_bwd)."""
+
+    tflops: Mapping[str, float]  # visible-work FLOP rate of the plain kernel at REFERENCE_HEAD_DIM
+    overhead_s: Mapping[str, float]  # fixed cost per kernel call
+    head_dims: Mapping[int, Mapping[str, float]]  # rate at that head_dim over the reference rate
+    features: Mapping[str, Mapping[str, float]]  # time per visible FLOP over plain's
+    rows: int  # measurements behind it
+    note: str = ""
+
+    def seconds(self, mode: str, flops: float, calls: int, head_dim: int, features: Sequence[str]) -> float:
+        factor = 1.0
+        for name in features:
+            factor *= self.features.get(name, {}).get(mode, 1.0)
+        rate = self.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
+        return self.overhead_s[mode] * calls + flops / rate * factor
+
+    def _head_dim_factor(self, head_dim: int, mode: str) -> float:
+        dims = {REFERENCE_HEAD_DIM: {m: 1.0 for m in MODES}, **self.head_dims}
+        nearest = min(dims, key=lambda d: (abs(math.log2(d / head_dim)), d))
+        return dims[nearest].get(mode, 1.0)
+
+    def unmeasured(self, features: Sequence[str]) -> list[str]:
+        return [name for name in features if name not in self.features]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return 0.0 if nbytes <= 0 else self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The rates of one device kind, and where they came from."""
+
+    device_kind: str
+    rates: Mapping[tuple[str, str], Rates]  # (implementation, dtype class) -> Rates
+    collectives: Mapping[str, Collective]  # ppermute | all_gather | reduce_scatter | all_to_all
+    path: str = ""
+    hbm_bytes: float = 0.0
+
+    def rates_for(self, implementation: str, dtype: str, precision: str = precisions.DEFAULT) -> Rates | None:
+        found = self.rates.get((implementation, dtype_class(dtype, precision)))
+        if found is None and dtype == "float16":  # the same tensor-core rate as bfloat16
+            found = self.rates.get((implementation, "bfloat16"))
+        return found
+
+    def collective(self, kind: str) -> tuple[Collective, str] | None:
+        """The fitted `kind`, or the ring shift's rate standing in for it (with a note)."""
+        if kind in self.collectives:
+            return self.collectives[kind], ""
+        if "ppermute" in self.collectives:
+            return self.collectives["ppermute"], f"{kind} priced at the measured ppermute rate"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """Predicted seconds of one implementation on one problem (one device's kernels, no collectives)."""
+
+    implementation: str
+    fwd_s: float
+    fwd_bwd_s: float
+    note: str = ""
+
+    def describe(self) -> str:
+        return f"{self.fwd_s * 1e3:.3g} ms fwd, {self.fwd_bwd_s * 1e3:.3g} ms fwd+bwd" + (
+            f" ({self.note})" if self.note else "")
+
+
+def predict(calibration: Calibration | None, implementation: str, problem: Problem) -> Prediction | None:
+    """`implementation`'s predicted time on `problem`, or None where the calibration has no rates for it."""
+    if calibration is None:
+        return None
+    rates = calibration.rates_for(implementation, problem.dtype, problem.precision)
+    if rates is None:
+        return None
+    flops, n, feats = forward_flops(problem), calls(problem), cost_features(problem.opts)
+    fwd = rates.seconds("fwd", flops, n, problem.head_dim, feats)
+    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, problem.head_dim, feats)
+    notes = []
+    if rates.unmeasured(feats):
+        notes.append("unmeasured, priced as plain: " + ", ".join(rates.unmeasured(feats)))
+    if problem.opts.has_segments:
+        notes.append("segments priced as if no block were skipped")
+    return Prediction(implementation, fwd, fwd_bwd, "; ".join(notes))
+
+
+# ---------------------------------------------------------------------------- fitting
+
+
+def problem_of(row: Mapping[str, Any], platform: str = "gpu", device_kind: str = "") -> Problem:
+    """The one-device Problem a kernel measurement ran (its features as `ringjax.options.TUNABLE` keywords)."""
+    from ringjax.options import TUNABLE, make_options
+
+    features = dict(row.get("features", {}))
+    unknown = sorted(set(features) - set(TUNABLE))
+    if unknown:
+        raise ValueError(f"calibration row has unknown feature(s) {unknown}; features are {sorted(TUNABLE)}")
+    if "sliding_window" in features and isinstance(features["sliding_window"], list):
+        features["sliding_window"] = tuple(features["sliding_window"])
+    opts = make_options(row["head_dim"], axis_name=None, axis_size=1,
+                        **{TUNABLE[k].option_name: v for k, v in features.items()})
+    return Problem(opts=opts, batch=row["batch"], seq=row["seq"], heads=row["heads"], kv_heads=row["kv_heads"],
+                   head_dim=row["head_dim"], dtype=row["dtype"], platform=platform, device_kind=device_kind,
+                   precision=precisions.canonical(row.get("precision", "default")) if row["dtype"] == "float32"
+                   else precisions.DEFAULT)
+
+
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(overhead s, FLOP/s) of time = overhead + flops / rate, least squares, overhead >= 0."""
+    if len({f for f, _ in points}) > 1:
+        f, t = np.array(points).T
+        slope, intercept = np.polyfit(f, t, 1)
+        if intercept >= 0 and slope > 0:
+            return float(intercept), float(1.0 / slope)
+    return 0.0, sum(f for f, _ in points) / sum(t for _, t in points)
+
+
+def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
+    """Rates of one implementation at one dtype class from its measurements (see the module docstring)."""
+    measured = []
+    for row in rows:
+        p = problem_of(row)
+        if not p.opts.has_segments:  # what segments skip depends on their ids: nothing to fit
+            measured.append((row, forward_flops(p), frozenset(cost_features(p.opts)), p.head_dim))
+    if not measured:
+        raise ValueError("no measurement without segment_ids to fit rates to")
+    fewest = min(len(f) for _, _, f, _ in measured)
+    dims = [d for _, _, f, d in measured if len(f) == fewest]
+    ref_dim = REFERENCE_HEAD_DIM if REFERENCE_HEAD_DIM in dims else max(set(dims), key=dims.count)
+    base = [(row, flops) for row, flops, f, d in measured if len(f) == fewest and d == ref_dim]
+    note = "" if fewest == 0 else "no plain measurement: fitted to rows with features, priced as plain"
+    if ref_dim != REFERENCE_HEAD_DIM:
+        note = "; ".join(filter(None, [note, f"measured at head_dim {ref_dim} only"]))
+    tflops, overhead = {}, {}
+    for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
+        points = [(flops * scale, row[f"{mode}_ms"] * 1e-3) for row, flops in base if row.get(f"{mode}_ms")]
+        if not points and mode == "fwd_bwd":  # forward only: assume the convention's ratio
+            points = [(flops * scale, row["fwd_ms"] * 1e-3 * scale) for row, flops in base]
+        overhead[mode], rate = _fit_line(points)
+        tflops[mode] = rate / 1e12
+
+    def factor(row, flops, mode, scale):
+        """Time per FLOP of `row` over the base rate's (above 1: slower)."""
+        t = row.get(f"{mode}_ms")
+        if not t:
+            return None
+        return max(t * 1e-3 - overhead[mode], 1e-9) * tflops[mode] * 1e12 / (flops * scale)
+
+    head_dims: dict[int, dict[str, float]] = {}
+    for d in sorted({d for _, _, f, d in measured if d != ref_dim}):
+        for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
+            found = [factor(r, fl, mode, scale) for r, fl, f, dd in measured if dd == d and len(f) == fewest]
+            found = [x for x in found if x]
+            if found:
+                head_dims.setdefault(d, {})[mode] = 1.0 / _geomean(found)
+    features: dict[str, dict[str, float]] = {}
+    # a pass prices the features of rows whose other features earlier passes priced (geometric mean of rows)
+    for _ in range(3):
+        found: dict[str, dict[str, list[float]]] = {}
+        for row, flops, feats, d in measured:
+            unknown = [name for name in feats if name not in features]
+            if len(feats) <= fewest or len(unknown) != 1 or d != ref_dim:
+                continue
+            for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
+                x = factor(row, flops, mode, scale)
+                if x is not None:
+                    for known in feats - {unknown[0]}:
+                        x /= features[known].get(mode, 1.0)
+                    found.setdefault(unknown[0], {}).setdefault(mode, []).append(x)
+        features.update({name: {mode: _geomean(xs) for mode, xs in by_mode.items()} for name, by_mode in found.items()})
+    return Rates(tflops, overhead, head_dims, features, len(rows), note)
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs)))
+
+
+def fit_collective(rows: Sequence[Mapping[str, Any]]) -> Collective:
+    latency, rate = _fit_line([(float(r["bytes"]), r["ms"] * 1e-3) for r in rows])
+    return Collective(latency, rate)
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def empty_document(device_kind: str) -> dict[str, Any]:
+    return {"format": FORMAT, "schema": SCHEMA, "device_kind": device_kind, "kernels": [], "collectives": []}
+
+
+def check_document(doc: Any, where: str) -> dict[str, Any]:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("schema") != SCHEMA:
+        raise ValueError(f"{where} is not a {FORMAT} file of schema {SCHEMA}")
+    for name in ("kernels", "collectives"):
+        if not isinstance(doc.get(name), list):
+            raise ValueError(f"{where}: {name!r} must be a list of measurements")
+    return doc
+
+
+def from_document(doc: Mapping[str, Any], path: str = "") -> Calibration:
+    """Fit a calibration document's measurements (rows that cannot be fitted are an error naming them)."""
+    doc = check_document(doc, path or "calibration")
+    groups: dict[tuple[str, str], list] = {}
+    for row in doc["kernels"]:
+        key = (row["implementation"], dtype_class(row["dtype"], precisions.canonical(row.get("precision", "default"))
+                                                  if row["dtype"] == "float32" else precisions.DEFAULT))
+        groups.setdefault(key, []).append(row)
+    kinds: dict[str, list] = {}
+    for row in doc["collectives"]:
+        kinds.setdefault(row["collective"], []).append(row)
+    return Calibration(
+        device_kind=doc["device_kind"],
+        rates={key: fit_rates(rows) for key, rows in groups.items()},
+        collectives={kind: fit_collective(rows) for kind, rows in kinds.items()},
+        path=path,
+        hbm_bytes=float(doc.get("hbm_bytes", 0.0)),
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _load(path: str, mtime: float) -> Calibration:
+    return from_document(json.loads(Path(path).read_text()), path)
+
+
+def load(device_kind: str) -> Calibration | None:
+    """The calibration of `device_kind`: the user's file, else the shipped one, else None."""
+    if not device_kind:
+        return None
+    for path in (path_for(device_kind), path_for(device_kind, shipped=True)):
+        if path.is_file():
+            try:
+                return _load(str(path), path.stat().st_mtime)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                cache._warn_once(path, f"ignoring calibration {path}: {e}")
+    return None
+
+
+def for_problem(problem: Problem) -> Calibration | None:
+    """The calibration of the device kind `problem` runs on (None if unknown, e.g. no such device here)."""
+    kind = problem.device_kind
+    if not kind:
+        try:
+            kind = problem.resolved().device_kind
+        except RuntimeError:  # a platform this host does not have, and no device kind named
+            return None
+    return load(kind)
