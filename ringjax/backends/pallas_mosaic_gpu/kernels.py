@@ -293,16 +293,18 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
     return carry
 
 
-def _write_rows(acc, smem, wg, dst):
+def _write_rows(acc, smem, wg, dst, first: int = 0) -> int:
     """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via the SMEM slots of
-    `_epilogue_smem`."""
+    `_epilogue_smem`; returns the chunk count to pass as `first` to the next call, so slots keep alternating
+    (a copy still reading a slot is never overwritten, whatever D)."""
     d, slots = acc.shape[1], smem.shape[1]
     for c in range(d // _EPI):
-        slot = c % slots
+        slot = (first + c) % slots
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous copy has read it
         smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(smem.at[wg, slot], dst.at[:, pl.ds(c * _EPI, _EPI)])
+    return first + d // _EPI
 
 
 def _drain(steps, stages: int, *free):
@@ -878,8 +880,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         cols = d // 2 if walk.split else d
         dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, cols)), _zeros((ROWS, cols))))
         dk = dk * opts.softmax_scale
-        _write_rows(dk, o_smem, wg, dk_ref.at[mine])
-        _write_rows(dv, o_smem, wg, dv_ref.at[mine])
+        chunks = _write_rows(dk, o_smem, wg, dk_ref.at[mine])
+        _write_rows(dv, o_smem, wg, dv_ref.at[mine], first=chunks)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
