@@ -4,6 +4,8 @@
     python -m ringjax cache list|show|clear|export|import ...
     python -m ringjax tune --batch 1 --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --axis-size 8 --causal
     python -m ringjax strategy --chip h200 --devices 2 --seq 65536 --heads 32 --kv-heads 8 --head-dim 128 --causal
+    python -m ringjax explain --shape 1,32768,32,128 --kv-heads 8 --causal --device-kind "NVIDIA H200" --devices 8
+    python -m ringjax calibrate [--from-results benchmarks/results/*.jsonl] [--shipped]
 """
 
 from __future__ import annotations
@@ -251,6 +253,102 @@ def _cmd_strategy(args) -> int:
     return 0
 
 
+def _platform_of(device_kind: str) -> str:
+    kind = device_kind.lower()
+    if kind.startswith("tpu"):
+        return "tpu"
+    if kind == "cpu":
+        return "cpu"
+    if any(word in kind for word in ("nvidia", "gpu", "h100", "h200", "a100", "b200", "gh200")):
+        return "gpu"
+    raise ValueError(f"cannot tell the platform of device kind {device_kind!r}: pass --platform")
+
+
+def explain(*, shape, kv_heads=None, dtype="bfloat16", precision="default", device_kind=None, platform=None,
+            devices=1, strategy="ring", implementation="auto", op="ring_attention", **features) -> str:
+    """What `ring_attention` would run for global q of `shape` (batch, seq, heads, head_dim) with the sequence
+    split over `devices` devices of `device_kind` (default: this host's), and why; nothing is run."""
+    import jax.numpy as jnp
+
+    from ringjax.core import precision as precisions
+    from ringjax.dispatch import autotuning, costs, registry, report
+    from ringjax.options import TUNABLE, check_keywords, make_options, sequence_chunks
+    from ringjax.strategies import auto as strategy_auto
+    from ringjax.strategies import plan, predict, spread
+
+    check_keywords("explain", features, TUNABLE)
+    batch, seq, heads, head_dim = shape
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+        raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if device_kind is None:
+        platform = platform or registry.current_platform()
+        device_kind = registry.current_device_kind(platform)
+    platform = platform or _platform_of(device_kind)
+    spread.check_strategy(strategy, "sp")
+    opts = make_options(head_dim, axis_name=None, axis_size=devices,
+                        **{TUNABLE[name].option_name: value for name, value in features.items()})
+    chunks = sequence_chunks(opts.layout, devices)
+    if seq % chunks:
+        raise ValueError(f"seq ({seq}) must be divisible by {chunks} for {devices} devices and layout {opts.layout!r}")
+    dtype = str(jnp.dtype(dtype))
+    base = registry.Problem(opts=opts, batch=batch, seq=seq // devices, heads=heads, kv_heads=kv_heads,
+                            head_dim=head_dim, dtype=dtype, platform=platform, device_kind=device_kind,
+                            precision=precisions.canonical(precision) if dtype == "float32" else precisions.DEFAULT)
+    axis, sizes = ("sp", {"sp": devices}) if devices > 1 else (None, {})
+    if strategy == "auto":
+        strat, reason = strategy_auto.choice(base, axis, sizes, implementation=implementation, op=op,
+                                             autotune="cached")
+    else:
+        strat, reason = spread.bind(strategy, axis, sizes), f"strategy={strategy!r}"
+    problem = strat.problem(base)
+    reg, impl = registry.choose(op, implementation, problem)
+    selection = autotuning.select(op, reg, impl, problem, policy="cached")
+    lines = [str(report.build(op, implementation, problem, reg.name, selection.config, selection.source,
+                              strat.describe(), reason))]
+    calibration = costs.load(device_kind)
+    if devices > 1 and calibration is not None:
+        runnable = [spread.bind(name, axis, sizes) for name in ("ring", "all_gather", "ulysses")
+                    if spread._refusal(spread.bind(name, axis, sizes), base, implementation, op) is None]
+        predicted = predict.strategy_costs(base, runnable, calibration, implementation=implementation, op=op)
+        if predicted:
+            lines += ["", f"strategies on {devices} x {device_kind} (predicted; strategy='auto' picks "
+                          f"{plan.best_strategy(predicted).strategy}):", plan.strategy_table(predicted)]
+    lines += ["", "(nothing was run: predictions from " + (calibration.where if calibration else
+                                                           "no calibration, so no times") + ")"]
+    return "\n".join(lines)
+
+
+def _cmd_explain(args) -> int:
+    from ringjax.options import TUNABLE
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"--shape must be BATCH,SEQ,HEADS,HEAD_DIM (positive), got {args.shape!r}")
+    features = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) not in (None, False)}
+    print(explain(shape=shape, kv_heads=args.kv_heads, dtype=args.dtype, precision=args.precision,
+                  device_kind=args.device_kind, platform=args.platform, devices=args.devices, strategy=args.strategy,
+                  implementation=args.implementation, op=args.op, **features))
+    return 0
+
+
+def _cmd_calibrate(args) -> int:
+    from ringjax.dispatch import calibrate, costs
+
+    if args.from_results:
+        kind, kernels = calibrate.rows_from_results(args.from_results)
+        collectives: list = []
+    else:
+        sizes = dict(seqs=(256,), heads=4, kv_heads=2, head_dims=(32, 64), collective_mib=(1, 4), repeats=2) \
+            if args.tiny else dict(seqs=tuple(args.seqs), repeats=args.repeats)
+        kind, kernels, collectives = calibrate.measure(**sizes)
+    path = Path(args.out) if args.out else costs.path_for(kind, shipped=args.shipped)
+    doc = calibrate.merge(calibrate.existing(kind, path if args.out else None), kernels, collectives)
+    calibrate.write(doc, path)
+    print(f"{len(kernels)} kernel and {len(collectives)} collective measurements of {kind!r} merged into {path}")
+    return 0
+
+
 class _OneOrTwo(argparse.Action):
     """nargs="+" capped at two: one value as itself, two as a (left, right) tuple."""
 
@@ -338,6 +436,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-fraction", type=float, default=0.5, help="share of HBM a strategy may use")
     p.add_argument("--link-gbps", type=float, help="one-way link GB/s to model instead of the chip's nominal figure")
     p.set_defaults(run=_cmd_strategy)
+
+    p = sub.add_parser("explain", help="what ring_attention would run for global shapes, and why (runs nothing)")
+    p.add_argument("--shape", required=True, help="global q shape BATCH,SEQ,HEADS,HEAD_DIM, e.g. 1,32768,32,128")
+    p.add_argument("--kv-heads", type=_positive_int, help="default: HEADS")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
+    p.add_argument("--precision", default="default", help="jax's matmul precision for float32 (default, highest)")
+    p.add_argument("--device-kind", help='e.g. "NVIDIA H200" (default: this host\'s first device)')
+    p.add_argument("--platform", choices=("gpu", "tpu", "cpu"), help="default: from --device-kind")
+    p.add_argument("--devices", type=_positive_int, default=1, help="devices the sequence is split over")
+    p.add_argument("--strategy", default="ring", choices=("ring", "all_gather", "ulysses", "auto"))
+    p.add_argument("--implementation", default="auto")
+    p.add_argument("--op", default="ring_attention")
+    _add_feature_flags(p)
+    p.set_defaults(run=_cmd_explain)
+
+    p = sub.add_parser("calibrate", help="measure this device's kernel and collective rates (what 'auto' predicts "
+                                         "from), or build them from benchmark results")
+    p.add_argument("--from-results", nargs="+", metavar="JSONL", help="benchmarks/results files instead of measuring")
+    p.add_argument("--seqs", type=_positive_int, nargs="+", default=[8192, 32768], help="sequence lengths to time")
+    p.add_argument("--repeats", type=_positive_int, default=5)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (a quick check on a CPU)")
+    p.add_argument("--shipped", action="store_true", help="write ringjax/configs/calibration/ instead of the user's")
+    p.add_argument("--out", help="write this file instead")
+    p.set_defaults(run=_cmd_calibrate)
 
     p = sub.add_parser("tune", help="autotune one problem (global shapes) and save the result")
     p.add_argument("--batch", type=_positive_int, required=True, help="per-device batch")

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 from ringjax import _compat
 from ringjax.core import precision
 from ringjax.core.masks import Extras
-from ringjax.dispatch import autotuning, calling, registry
+from ringjax.dispatch import autotuning, calling, registry, report
 from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
 from ringjax.options import check_inputs, checked_keywords, make_options, option_inputs
 from ringjax.strategies import auto as strategy_auto
@@ -66,6 +66,7 @@ def ring_attention(
     the heads), "hybrid" (ulysses over one axis, ring over another: axis_name=(head_axis,
     ring_axis), the sequence split over both, head axis major) or "auto" (the cost model of
     `ringjax.strategies.plan` decides; logged to "ringjax.strategy"). See docs/strategies.md.
+    What runs and why is logged to "ringjax.implementation" at INFO level, once per compiled call.
 
     The keywords are declared once in `ringjax.options.KEYWORDS`; one this signature lacks
     (e.g. jax.nn.dot_product_attention's `is_causal`) raises a TypeError naming ours.
@@ -96,13 +97,15 @@ def ring_attention(
         precision=precision.current(q.dtype),  # jax's matmul precision now, while the call is traced
     )
     if strategy == "auto":
-        strat = strategy_auto.choose(base, call.axis_name, call.axis_sizes(), implementation=implementation,
-                                  autotune=autotune)
+        strat, strategy_reason = strategy_auto.choice(base, call.axis_name, call.axis_sizes(),
+                                                      implementation=implementation, autotune=autotune)
     else:
         strat = strategies.bind(strategy, call.axis_name, call.axis_sizes())
+        strategy_reason = f"strategy={strategy!r}"
     problem = strat.problem(base)
     reg, impl = registry.choose(OP, implementation, problem)
-    config = autotuning.select_config(OP, reg, impl, problem, config, policy=autotune)
+    selection = autotuning.select(OP, reg, impl, problem, config, policy=autotune)
+    config = selection.config
     seed = None if dropout_rng is None else jax.random.bits(dropout_rng, (2,), jnp.uint32)
 
     def per_device(q, k, v, seg, sinks, slopes, seed):
@@ -122,5 +125,8 @@ def ring_attention(
         (TOKENS, TOKENS, TOKENS, SEQ, HEADS, HEADS, REPLICATED),
         (TOKENS, LSE),
         key=(OP, reg.name, strat, problem, config),
+        on_compile=lambda: report.announce(lambda: report.build(
+            OP, implementation, problem.resolved(), reg.name, config, selection.source, strat.describe(),
+            strategy_reason)),
     )
     return (out, lse) if return_lse else out

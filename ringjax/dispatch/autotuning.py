@@ -19,7 +19,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import logging
 import os
 import statistics
 import threading
@@ -32,8 +31,6 @@ from ringjax.dispatch import cache, registry
 
 POLICIES = ("off", "cached", "on")
 ENV_POLICY = "RINGJAX_AUTOTUNE"
-
-log = logging.getLogger("ringjax.autotune")
 
 
 def resolve_policy(policy: str | None) -> str:
@@ -174,10 +171,8 @@ def select(op: str, reg, impl, problem: registry.Problem, config=None, policy: s
 
 
 def select_config(op: str, reg, impl, problem: registry.Problem, config=None, policy: str | None = None):
-    """`select(...).config`: the call site in api.py."""
-    selection = select(op, reg, impl, problem, config, policy)
-    log.debug("%s/%s: %s config %s", op, impl.name, selection.source, selection.config)
-    return selection.config
+    """`select(...).config`."""
+    return select(op, reg, impl, problem, config, policy).config
 
 
 # ---------------------------------------------------------------------------- measuring

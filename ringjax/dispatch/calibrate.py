@@ -202,13 +202,17 @@ def measure_collective(kind: str, nbytes: int, devices, repeats: int) -> dict[st
 
 
 def measure(*, seqs: Sequence[int] = (8192, 32768), batch: int = 1, heads: int = 32, kv_heads: int = 8,
-            head_dims: Sequence[int] = (64, 128, 256), collective_mib: Sequence[int] = (16, 64, 256),
-            repeats: int = 5, say=print) -> tuple[str, list[dict], list[dict]]:
+            head_dims: Sequence[int] = (64, 128, 256), collective_mib: Sequence[float] = (16, 64, 256),
+            repeats: int = 5, features: Sequence[Mapping[str, Any]] = FEATURE_CASES,
+            dtypes: Sequence[tuple[str, str]] = (("bfloat16", "default"), ("float32", "default"),
+                                                 ("float32", "highest")),
+            say=print) -> tuple[str, list[dict], list[dict]]:
     """(device kind, kernel rows, collective rows) measured on this machine's default devices.
 
-    Every implementation "auto" may run here is timed plain (causal) at each length, at each head_dim
-    and with each feature of FEATURE_CASES at the shortest length, in bfloat16 and in float32 at
-    both matmul precisions where it takes them; calls it refuses are skipped.
+    Every implementation "auto" may run here is timed in the first of `dtypes` (with its matmul
+    precision) plain at each length (causal, and not causal at the shortest), at each head_dim and with
+    each of `features` at the shortest length; in the other dtypes plain at each length. Calls an
+    implementation refuses are skipped. With several devices, each collective at each size.
     """
     import jax
 
@@ -220,11 +224,12 @@ def measure(*, seqs: Sequence[int] = (8192, 32768), batch: int = 1, heads: int =
     names = [r.name for r in registry.registrations("ring_attention") if r.auto and platform in r.platforms]
     shape = dict(batch=batch, heads=heads, kv_heads=kv_heads)
     short = min(seqs)
-    cases = [(t, 128, "bfloat16", "default", {"causal": True}) for t in seqs]
-    cases += [(short, d, "bfloat16", "default", {"causal": True}) for d in head_dims if d != 128]
-    cases += [(short, 128, "bfloat16", "default", {"causal": True, **f}) for f in FEATURE_CASES]
-    cases += [(short, 128, "bfloat16", "default", {})]
-    cases += [(short, 128, "float32", p, {"causal": True}) for p in ("default", "highest")]
+    first, ref = dtypes[0], max(head_dims, key=lambda d: (d == costs.REFERENCE_HEAD_DIM, d))
+    cases = [(t, ref, *first, {"causal": True}) for t in seqs]
+    cases += [(short, d, *first, {"causal": True}) for d in head_dims if d != ref]
+    cases += [(short, ref, *first, {"causal": True, **f}) for f in features]
+    cases += [(short, ref, *first, {})]
+    cases += [(t, ref, *other, {"causal": True}) for other in dtypes[1:] for t in seqs]
     kernels = []
     for name in names:
         for seq, head_dim, dtype, prec, features in cases:

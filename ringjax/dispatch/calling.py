@@ -190,15 +190,19 @@ def _is_traced(x) -> bool:
 
 
 def run(call: Call, per_device: Callable, args: Sequence[Any], roles: Sequence[str], out_roles: Sequence[str],
-        *, key: Hashable | None = None):
+        *, key: Hashable | None = None, on_compile: Callable[[], None] | None = None):
     """per_device(*args) on every device's shards, in `call`'s mode.
 
     `args` may hold None (absent optional inputs); `roles` says how each argument is laid
     out in the global mode, `out_roles` each result. With a hashable `key` that fixes
     everything `per_device` depends on besides its array arguments, an eager call reuses
-    one compiled function per key and input shapes.
+    one compiled function per key and input shapes. `on_compile()` runs when this call is
+    traced into a program being compiled, or compiles its own: not when an eager call
+    reuses one.
     """
+    announce = on_compile or (lambda: None)
     if call.mode == "local":
+        announce()
         return per_device(*args)
     present = [i for i, a in enumerate(args) if a is not None]
 
@@ -218,8 +222,14 @@ def run(call: Call, per_device: Callable, args: Sequence[Any], roles: Sequence[s
 
     xs = tuple(args[i] for i in present)
     if key is None or any(_is_traced(x) for x in xs):
+        announce()
         if not call.is_global:  # single mode under a trace: numpy inputs still need to become arrays
             xs = tuple(x if _is_traced(x) else jax.numpy.asarray(x) for x in xs)
         return whole(*xs)
     xs = tuple(x if isinstance(x, jax.Array) else np.asarray(x) for x in xs)
-    return _cached_jit((key, call, tuple(present)), lambda: whole)(*xs)
+
+    def make():
+        announce()
+        return whole
+
+    return _cached_jit((key, call, tuple(present)), make)(*xs)

@@ -175,6 +175,12 @@ class Calibration:
     path: str = ""
     hbm_bytes: float = 0.0
 
+    @property
+    def where(self) -> str:
+        """The file, shipped ones relative to the package."""
+        path = Path(self.path)
+        return f"ringjax/configs/calibration/{path.name}" if path.parent == shipped_dir() else self.path
+
     def rates_for(self, implementation: str, dtype: str, precision: str = precisions.DEFAULT) -> Rates | None:
         found = self.rates.get((implementation, dtype_class(dtype, precision)))
         if found is None and dtype == "float16":  # the same tensor-core rate as bfloat16

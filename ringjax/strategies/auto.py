@@ -18,9 +18,14 @@ STRATEGY_OP_SUFFIX = ".strategy"  # cache entries of measured strategy choices: 
 
 def choose(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
            op: str = "ring_attention", autotune: str | None = None) -> spread.Strategy:
-    """The strategy "auto" runs: measured where the autotuner has (or, with tuning "on", takes) a
-    measurement, else the cost model's. The choice and its reason go to the "ringjax.strategy"
-    logger at DEBUG level."""
+    """The strategy "auto" runs (`choice` without its reason)."""
+    return choice(base, axis_name, sizes, implementation=implementation, op=op, autotune=autotune)[0]
+
+
+def choice(base: registry.Problem, axis_name, sizes: dict[str, int], *, implementation: str = "auto",
+           op: str = "ring_attention", autotune: str | None = None) -> tuple[spread.Strategy, str]:
+    """(strategy, reason): measured where the autotuner has (or, with tuning "on", takes) a measurement,
+    else the cost model's. Also logged to the "ringjax.strategy" logger at DEBUG level."""
     strategy, reason, runnable = spread._decide(base, axis_name, sizes, implementation, op, None)
     measured = measured_strategy(op, base, runnable, implementation, autotune)
     if measured is not None and measured.strategy is not None:
@@ -29,7 +34,7 @@ def choose(base: registry.Problem, axis_name, sizes: dict[str, int], *, implemen
                   f"the cost model's choice was {strategy.name} ({reason})")
         strategy = measured.strategy
     spread.log.debug("strategy='auto' chose %s: %s", strategy.describe(), reason)
-    return strategy
+    return strategy, reason
 
 
 

@@ -26,8 +26,8 @@ from jax import lax
 
 from ringjax import _compat
 from ringjax.core.schedule import reach
-from ringjax.dispatch import registry
-from ringjax.strategies import plan
+from ringjax.dispatch import costs, registry
+from ringjax.strategies import plan, predict
 
 STRATEGIES = ("ring", "all_gather", "ulysses", "hybrid")
 CHOICES = STRATEGIES + ("auto",)
@@ -188,34 +188,45 @@ def _decide(base, axis_name, sizes, implementation, op, chip):
             runnable.append(bind(name, axis_name, sizes))
         else:
             refused.append(f"{name}: {why}")
+    calibration = costs.for_problem(base) if chip is None else None
+    predicted = None if calibration is None or not runnable else predict.strategy_costs(
+        base, runnable, calibration, implementation=implementation, op=op)
+    if predicted is not None:
+        return _best(predicted, runnable, refused, axis_name, sizes,
+                     f"predicted on {n} x {calibration.device_kind}")
     if reach(base.opts) is not None:
         return ring, ("the mask bounds how far a query sees (sliding_window or chunk_size): the ring skips the "
                       "shards out of reach, which the cost model does not price"), runnable
     if chip is None:
-        kind = registry.current_device_kind(base.platform)
+        kind = base.device_kind or registry.current_device_kind(base.platform)
         chip = plan.chip_for(kind)
         if chip is None:
             return ring, (f"no cost figures for device kind {kind!r} (ringjax.strategies.plan.CHIPS): the default, "
                           "ring"), runnable
     if base.dtype not in ("bfloat16", "float16") or (base.dtype == "float16" and chip.kind == "tpu"):
         return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring", runnable
-    costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads, kv_heads=base.kv_heads,
-                                head_dim=base.head_dim, dtype=base.dtype, causal=base.opts.causal,
-                                layout=base.opts.layout, batch=base.batch)
+    chip_costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads,
+                                     kv_heads=base.kv_heads, head_dim=base.head_dim, dtype=base.dtype,
+                                     causal=base.opts.causal, layout=base.opts.layout, batch=base.batch)
+    return _best(chip_costs, runnable, refused, axis_name, sizes, f"cost model on {n} x {chip.name}")
+
+
+def _best(costs_, runnable, refused, axis_name, sizes, source):
+    """(fastest runnable strategy that fits, reason, runnable) from predicted costs."""
     names = {s.name for s in runnable}
-    for cost in costs:
-        if not (cost.fits and math.isfinite(cost.total_s)) and cost.strategy in names:
+    for cost in costs_:
+        if cost.strategy in names and not (cost.fits and math.isfinite(cost.total_s)):
             refused.append(f"{cost.strategy}: {cost.note}")
             names.discard(cost.strategy)
     runnable = [s for s in runnable if s.name in names]
-    ok = [c for c in costs if c.strategy in names]
+    ok = [c for c in costs_ if c.strategy in names]
     if not ok:
-        return ring, "no strategy can run: " + "; ".join(refused), []
+        return bind("ring", axis_name, sizes), "no strategy can run: " + "; ".join(refused), []
     best = plan.best_strategy(ok)
-    others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs
+    others = ", ".join(f"{c.strategy} {c.total_s * 1e3:.3g} ms" for c in costs_
                        if c is not best and math.isfinite(c.total_s))
     tie = min(ok, key=lambda c: c.total_s) is not best
-    reason = (f"cost model on {n} x {chip.name}: {best.total_s * 1e3:.3g} ms forward + backward"
+    reason = (f"{source}: {best.total_s * 1e3:.3g} ms forward + backward"
               + (f" against {others}" if others else "")
               + (f" (within {plan.TIE_TOLERANCE:.0%}: the ring is kept)" if tie else "")
               + (f"; ruled out: {'; '.join(refused)}" if refused else ""))

@@ -1,0 +1,84 @@
+"""What a call runs and why: the implementation, its config, the strategy, every candidate's predicted
+time and every refusal. `ring_attention` logs it to the "ringjax.implementation" logger at INFO level
+once per compiled problem; `python -m ringjax explain` prints it without running anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ringjax.dispatch import costs, registry
+
+log = logging.getLogger("ringjax.implementation")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    op: str
+    asked: str  # the `implementation` argument
+    problem: registry.Problem  # one device's, under the chosen strategy
+    implementation: str
+    config: Any
+    config_source: str  # explicit | memory | persistent | shipped | autotuned | heuristic
+    strategy: str  # Strategy.describe()
+    strategy_reason: str
+    candidates: tuple[registry.Candidate, ...]
+    calibration: str  # the calibration file behind the predictions, "" if none
+
+    def __str__(self) -> str:
+        p = self.problem
+        try:
+            config = json.dumps(registry.config_to_json(self.config), sort_keys=True)
+        except TypeError:
+            config = repr(self.config)
+        precision = f" at matmul precision {p.precision!r}" if p.dtype == "float32" else ""
+        masks = ", ".join((("causal",) if p.opts.causal else ()) + costs.cost_features(p.opts)) or "no mask"
+        if p.opts.has_segments:
+            masks += ", segments"
+        lines = [
+            f"{self.op}/{self.implementation}: {self.config_source} config {config}; strategy {self.strategy} "
+            f"({self.strategy_reason})",
+            f"  per device: batch {p.batch}, seq {p.seq}, heads {p.heads}/{p.kv_heads} kv, head_dim {p.head_dim}, "
+            f"{p.dtype}{precision}, {masks}; "
+            f"{p.opts.axis_size} on the ring; {p.device_kind or p.platform}",
+        ]
+        if self.asked != "auto":
+            lines.append(f"  implementation={self.asked!r} was asked for")
+        elif self.calibration and any(c.prediction for c in self.candidates):
+            lines.append(f"  auto: the fastest predicted forward + backward (calibration {self.calibration})")
+        else:
+            lines.append(f"  auto: by priority, nothing is measured for {p.device_kind or p.platform!r} "
+                         "(python -m ringjax calibrate measures it)")
+        for c in self.candidates:
+            mark = "*" if c.name == self.implementation else " "
+            if c.refusal is not None:
+                lines.append(f"  {mark} {c.name}: refused: {c.refusal}")
+            elif c.prediction is not None:
+                lines.append(f"  {mark} {c.name}: predicted {c.prediction.describe()}")
+            else:
+                missing = " (not in the calibration)" if self.calibration else ""
+                lines.append(f"  {mark} {c.name}: no prediction{missing}")
+        return "\n".join(lines)
+
+
+def build(op: str, asked: str, problem: registry.Problem, implementation: str, config, config_source: str,
+          strategy: str, strategy_reason: str) -> Report:
+    """The report of one call; candidates are those "auto" considers, and the asked one."""
+    found = registry.candidates(op, "auto", problem)
+    if asked != "auto" and all(c.name != implementation for c in found):
+        found = registry.candidates(op, asked, problem) + found
+    calibration = costs.for_problem(problem)
+    return Report(op, asked, problem, implementation, config, config_source, strategy, strategy_reason,
+                  tuple(found), calibration.where if calibration else "")
+
+
+def announce(make: Callable[[], Report]) -> None:
+    """Log `make()` at INFO if the logger would show it (not while autotuning collects problems)."""
+    from ringjax.dispatch import autotuning
+
+    if log.isEnabledFor(logging.INFO) and autotuning.recorder() is None:
+        log.info("%s", make())

@@ -1,0 +1,87 @@
+"""The strategy cost model calibrated per device kind: the predicted kernel time of the implementation each
+strategy will run (`dispatch/costs.py`) plus its collectives at measured rates.
+
+Per device, N devices on the axis, t local tokens, s bytes per element:
+- ring: the kernels of every visited step; each step's K/V shift (and backward's K/V + float32 dK/dV)
+  shows only where it outlasts that step's compute; the backward's dK/dV trip home shows whole;
+- all_gather: gather (N - 1) K/V shards forward, again backward, reduce-scatter float32 dK/dV; none hidden;
+- ulysses: q, k, v to whole sequences of H/N heads and out, lse back (one all-to-all each; backward the
+  transposes), (N - 1)/N of each array moving, none hidden.
+Collectives the calibration did not measure are priced at its ring-shift rate; a calibration with none
+at the chip's nominal link rate (`plan.CHIPS`), and the costs say so.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ringjax.dispatch import costs, registry
+from ringjax.strategies import plan
+
+
+def _collective(calibration: costs.Calibration, kind: str, notes: list[str]) -> costs.Collective:
+    found = calibration.collective(kind)
+    if found is not None:
+        if found[1] and found[1] not in notes:
+            notes.append(found[1])
+        return found[0]
+    chip = plan.chip_for(calibration.device_kind)
+    link = chip.link_bandwidth if chip is not None else 50e9
+    note = f"collectives priced at {'the nominal' if chip else 'an assumed'} {link / 1e9:.0f} GB/s (none measured)"
+    if note not in notes:
+        notes.append(note)
+    return costs.Collective(0.0, link)
+
+
+def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibration, *,
+                   implementation: str = "auto", op: str = "ring_attention",
+                   memory_fraction: float = plan.DEFAULT_MEMORY_FRACTION) -> tuple[plan.StrategyCost, ...] | None:
+    """Predicted cost of each of `strategies` (bound `spread.Strategy`s over one axis) for the local problem
+    `base`, or None if the calibration cannot predict the kernel one of them would run."""
+    out = []
+    for strategy in strategies:
+        problem = strategy.problem(base)
+        reg, _ = registry.choose(op, implementation, problem)
+        kernel = costs.predict(calibration, reg.name, problem)
+        if kernel is None:
+            return None
+        notes = [n for n in (f"runs {reg.name}", kernel.note) if n]
+        fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes)
+        hbm = calibration.hbm_bytes or (getattr(plan.chip_for(calibration.device_kind), "hbm_bytes", 0.0))
+        budget = memory_fraction * hbm if hbm else math.inf
+        cost = plan.StrategyCost(strategy.name, kernel.fwd_s + fwd, kernel.fwd_bwd_s - kernel.fwd_s + bwd,
+                                 fwd + bwd, memory, memory <= budget, "; ".join(notes))
+        if not cost.fits:
+            cost = plan._cost(cost.strategy, cost.fwd_s, cost.bwd_s, cost.comm_s, memory, budget, "")
+        out.append(cost)
+    return tuple(out)
+
+
+def _communication(strategy, base, problem, kernel: costs.Prediction, calibration, notes):
+    """(exposed forward collective seconds, exposed backward seconds, extra memory bytes) of one strategy."""
+    import jax.numpy as jnp
+
+    s = jnp.dtype(base.dtype).itemsize
+    f32 = 4.0 / s
+    n = strategy.num_shards
+    q_loc = base.batch * base.seq * base.heads * base.head_dim * s
+    kv_loc = 2.0 * base.batch * base.seq * base.kv_heads * base.head_dim * s
+    if strategy.name == "ring":
+        shift = _collective(calibration, "ppermute", notes)
+        steps = costs.calls(problem)
+        fwd_step, bwd_step = kernel.fwd_s / steps, (kernel.fwd_bwd_s - kernel.fwd_s) / steps
+        fwd = (steps - 1) * max(0.0, shift.seconds(kv_loc) - fwd_step)
+        bwd = (steps - 1) * max(0.0, shift.seconds(kv_loc * (1 + f32)) - bwd_step) + shift.seconds(kv_loc * f32)
+        return fwd, bwd, 2 * kv_loc * (1 + f32)
+    if strategy.name == "all_gather":
+        gather = _collective(calibration, "all_gather", notes).seconds((n - 1) * kv_loc)
+        scatter = _collective(calibration, "reduce_scatter", notes).seconds((n - 1) * kv_loc * f32)
+        return gather, gather + scatter, n * kv_loc * (1 + f32)
+    # ulysses: every array an all-to-all of its own
+    a2a = _collective(calibration, "all_to_all", notes)
+    share = (n - 1) / n
+    kv_rep = kv_loc * math.lcm(base.kv_heads, n) / base.kv_heads
+    lse = base.batch * base.heads * base.seq * 4.0
+    fwd = sum(a2a.seconds(share * b) for b in (q_loc, kv_rep / 2, kv_rep / 2, q_loc, lse))
+    bwd = sum(a2a.seconds(share * b) for b in (q_loc, lse, q_loc, kv_rep / 2, kv_rep / 2))
+    return fwd, bwd, 3 * q_loc + kv_rep + (q_loc + kv_rep) * f32

@@ -1,0 +1,193 @@
+"""Predicted times, the choice of `auto`, the "ringjax.implementation" log and `python -m ringjax explain`."""
+
+import glob
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ringjax
+from ringjax.__main__ import explain, main
+from ringjax.core.masks import visible_pairs as mask_visible
+from ringjax.dispatch import calibrate, costs, registry
+from ringjax.layouts import local_positions
+from ringjax.options import AttentionOptions
+from ringjax.strategies import plan, predict, spread
+
+H100 = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+
+
+def _problem(dtype="bfloat16", prec="default", kind=H100, seq=8192, **opts):
+    return registry.Problem(opts=AttentionOptions(causal=True, **opts), batch=1, seq=seq, heads=32, kv_heads=8,
+                            head_dim=128, dtype=dtype, platform="gpu", device_kind=kind, precision=prec)
+
+
+def _auto(problem):
+    return registry.choose("ring_attention", "auto", problem)[0].name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window, chunk, sinks", [(None, None, 0), ((5, 0), None, 3), ((7, 3), 24, 0),
+                                                  (None, 8, 20), ((9, 2), 8, 3)])
+@pytest.mark.parametrize("layout, n", [("contiguous", 1), ("contiguous", 4), ("zigzag", 2), ("striped", 4)])
+def test_visible_pairs_count_the_mask(causal, window, chunk, sinks, layout, n):
+    if causal and window is not None:
+        window = (window[0], 0)
+    length = 64
+    opts = AttentionOptions(causal=causal, window=window, chunk_size=chunk, num_sink_tokens=sinks, layout=layout,
+                            axis_size=n)
+    pos = jnp.arange(length)
+    mask = np.asarray(mask_visible(opts, pos[:, None], pos[None, :], q_segpos=pos[:, None], k_segpos=pos[None, :]))
+    busiest = max(mask[np.asarray(local_positions(layout, d, n, length // n, np))].sum() for d in range(n))
+    assert costs.visible_pairs(opts, length // n) == busiest
+
+
+def test_h100_float32_follows_the_measurements():
+    # benchmarks/results/*precision.jsonl: at jax's default precision (TF32) pallas_triton measured 46 ms
+    # forward + backward against xla's 53; at "highest" pallas_triton refuses and xla runs
+    assert _auto(_problem("float32", "default")) == "pallas_triton"
+    assert _auto(_problem("float32", "highest")) == "xla"
+    found = {c.name: c for c in registry.candidates("ring_attention", "auto", _problem("float32", "default"))}
+    assert found["pallas_triton"].prediction.fwd_bwd_s < found["xla"].prediction.fwd_bwd_s
+    assert "dtype float32 is not supported" in found["pallas_mosaic_gpu"].refusal
+
+
+def test_bfloat16_picks_the_mosaic_kernels_and_unknown_kinds_fall_back_to_priority():
+    assert _auto(_problem()) == "pallas_mosaic_gpu"
+    assert _auto(_problem(kind=H200, layout="zigzag", axis_size=8, seq=4096)) == "pallas_mosaic_gpu"
+    unknown = registry.candidates("ring_attention", "auto", _problem(kind="NVIDIA A100-SXM4-80GB"))
+    assert all(c.prediction is None for c in unknown)
+    assert unknown[0].name == "pallas_mosaic_gpu"  # the highest priority the feature table accepts
+
+
+def test_predictions_reproduce_the_h100_measurements():
+    kind, rows = calibrate.rows_from_results(sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl")))
+    calibration = costs.load(kind)
+    assert kind == H100 and calibration.where == "ringjax/configs/calibration/NVIDIA_H100_80GB_HBM3.json"
+    errors = []
+    for row in rows:
+        if "segments" in row["features"]:  # priced as if nothing were skipped: the ids decide
+            continue
+        p = costs.problem_of(row)
+        found = costs.predict(calibration, row["implementation"], p)
+        errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
+        if row["implementation"] == "pallas_mosaic_gpu" and not row["features"].keys() - {"causal"}:
+            assert errors[-1] < 0.1, row  # the plain kernel at every measured shape
+    assert np.median(errors) < 0.1
+
+
+def test_shipped_h100_calibration_is_rebuilt_from_the_results():
+    kind, rows = calibrate.rows_from_results(sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl")))
+    shipped = calibrate.existing(kind, costs.path_for(kind, shipped=True))
+    assert calibrate.merge(shipped, rows) == shipped
+
+
+def test_strategy_predictions_on_two_h200():
+    # measured on 2 H200, causal zigzag, 32 / 8 heads, head_dim 128, jax 0.11.2, 2026-11-24 (fwd+bwd ms per GPU):
+    # 8K tokens per GPU ring 9.2, all_gather 11.4, ulysses 15.3; 32K ring 128.6, all_gather 165.6;
+    # the ring ran pallas_mosaic_gpu, all_gather and ulysses ran pallas_triton then
+    calibration = costs.load(H200)
+    measured = {8192: {"ring": 9.2, "all_gather": 11.4, "ulysses": 15.3}, 32768: {"ring": 128.6, "all_gather": 165.6}}
+    for tokens, times in measured.items():
+        base = _problem(kind=H200, seq=tokens, layout="zigzag", axis_size=2)
+        predicted = {}
+        for name in times:
+            strategy = spread.bind(name, "sp", {"sp": 2})
+            implementation = "pallas_mosaic_gpu" if name == "ring" else "pallas_triton"
+            cost, = predict.strategy_costs(base, [strategy], calibration, implementation=implementation)
+            predicted[name] = cost.total_s * 1e3
+            assert abs(predicted[name] / times[name] - 1) < 0.15, (tokens, name, predicted[name], times[name])
+        assert sorted(predicted, key=predicted.get) == sorted(times, key=times.get)
+
+
+def test_strategy_auto_uses_the_calibration():
+    zigzag = _problem(kind=H200, layout="zigzag", axis_size=2)
+    strategy, reason = spread.decide(zigzag, "sp", {"sp": 2})
+    assert strategy.name == "ring" and "predicted on 2 x NVIDIA H200" in reason
+    contiguous = _problem(kind=H200, axis_size=2)  # causal imbalance: every device attends the whole sequence
+    assert spread.decide(contiguous, "sp", {"sp": 2})[0].name == "ulysses"
+
+
+def test_explain_names_a_gpu_on_a_cpu_host():
+    text = explain(shape=(1, 32768, 32, 128), kv_heads=8, causal=True, layout="zigzag", device_kind=H200, devices=8,
+                   strategy="auto")
+    first = text.splitlines()[0]
+    assert first.startswith("ring_attention/pallas_mosaic_gpu: ") and "strategy ring over 'sp' of 8" in first
+    assert "per device: batch 1, seq 4096, heads 32/8 kv" in text
+    assert "pallas_tpu: refused: runs on tpu, not gpu" in text
+    assert "* pallas_mosaic_gpu: predicted" in text and "pallas_triton: predicted" in text
+    assert "strategies on 8 x NVIDIA H200" in text and "nothing was run" in text
+
+
+def test_explain_cli_float32_highest(capsys):
+    argv = ["explain", "--shape", "1,8192,32,128", "--kv-heads", "8", "--causal", "--dtype", "float32",
+            "--device-kind", H100]
+    assert main(argv + ["--precision", "highest"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ring_attention/xla: ")
+    assert "pallas_triton: refused: float32 at jax's matmul precision 'highest'" in out
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("ring_attention/pallas_triton: ")
+    assert main(["explain", "--shape", "1,100,4,64", "--devices", "8", "--device-kind", H100]) == 2
+    assert "must be divisible by 8" in capsys.readouterr().err
+
+
+def test_explain_here_and_for_an_unknown_kind():
+    here = explain(shape=(2, 1024, 4, 64), causal=True)
+    assert here.startswith("ring_attention/xla: ") and "by priority, nothing is measured for 'cpu'" in here
+    other = explain(shape=(1, 8192, 8, 128), device_kind="NVIDIA A100-SXM4-80GB", devices=2)
+    assert "nothing is measured for 'NVIDIA A100-SXM4-80GB'" in other and "no prediction" in other
+
+
+def test_the_log_says_what_runs_once_per_compiled_problem(caplog):
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("sp",))
+    q = jnp.ones((1, 16 * n, 4, 16), jnp.float32)
+    with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
+        for _ in range(3):  # eager: compiled once, reused
+            ringjax.ring_attention(q, q, q, causal=True, mesh=mesh, logits_soft_cap=5.0)
+        jitted = jax.jit(lambda q: ringjax.ring_attention(q, q, q, axis_name=None, sliding_window=4))
+        jitted(q)
+        jitted(q)
+    records = [r for r in caplog.records if r.name == "ringjax.implementation"]
+    assert len(records) == 2 and all(r.levelno == logging.INFO for r in records)
+    ring, single = (r.getMessage() for r in records)
+    assert ring.startswith("ring_attention/xla: heuristic config {") and f"strategy ring over 'sp' of {n}" in ring
+    assert "logits_soft_cap" in ring and "pallas_triton: refused: runs on gpu, not cpu" in ring
+    assert "sliding_window" in single and "strategy ring (strategy='ring')" in single
+
+
+def test_calibrate_here_then_auto_predicts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RINGJAX_CACHE_DIR", str(tmp_path))
+    kind, kernels, collectives = calibrate.measure(seqs=(64,), heads=2, kv_heads=1, head_dims=(16,),
+                                                   collective_mib=(0.01,), repeats=1, features=(),
+                                                   dtypes=(("float32", "default"),), say=lambda _: None)
+    assert kind == registry.current_device_kind() and {r["implementation"] for r in kernels} == {"xla"}
+    path = costs.path_for(kind)
+    calibrate.write(calibrate.merge(calibrate.existing(kind), kernels, collectives), path)
+    assert json.loads(path.read_text())["format"] == "ringjax-calibration"
+    problem = registry.Problem(opts=AttentionOptions(causal=True), batch=1, seq=64, heads=2, kv_heads=1, head_dim=16,
+                               dtype="float32", platform="cpu")
+    assert costs.predict(costs.for_problem(problem), "xla", problem) is not None
+    assert "auto: the fastest predicted" in explain(shape=(1, 64, 2, 16), kv_heads=1, dtype="float32", causal=True)
+    if jax.device_count() > 1:
+        assert {r["collective"] for r in collectives} == {"ppermute", "all_gather", "reduce_scatter", "all_to_all"}
+
+
+def test_calibrate_from_results_cli(tmp_path, capsys):
+    out = tmp_path / "h100.json"
+    files = sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl"))
+    assert main(["calibrate", "--from-results", *files, "--out", str(out)]) == 0
+    assert "merged into" in capsys.readouterr().out
+    rates = costs.from_document(json.loads(out.read_text())).rates
+    assert rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"] == pytest.approx(597, rel=0.05)
+
+
+def test_chip_model_is_kept_where_a_chip_is_named():
+    chip = plan.CHIPS["h200"]
+    strategy, reason = spread.decide(_problem(kind=H200, layout="zigzag", axis_size=2), "sp", {"sp": 2}, chip=chip)
+    assert reason.startswith("cost model on 2 x H200 SXM")
