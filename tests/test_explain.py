@@ -68,15 +68,20 @@ def test_predictions_reproduce_the_h100_measurements():
     kind, rows = calibrate.rows_from_results(sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl")))
     calibration = costs.load(kind)
     assert kind == H100 and calibration.where == "ringjax/configs/calibration/NVIDIA_H100_80GB_HBM3.json"
+    kept = {calibrate.row_key(r): r for r in calibrate.existing(kind, costs.path_for(kind, shipped=True))["kernels"]}
     errors = []
     for row in rows:
         if "segments" in row["features"]:  # priced as if nothing were skipped: the ids decide
+            continue
+        if kept[calibrate.row_key(row)] != row:  # re-measured since (e.g. a kernel that got faster)
             continue
         p = costs.problem_of(row)
         found = costs.predict(calibration, row["implementation"], p)
         errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
         if row["implementation"] == "pallas_mosaic_gpu" and not row["features"].keys() - {"causal"}:
             assert errors[-1] < 0.1, row  # the plain kernel at every measured shape
+        if row["implementation"] != "xla":  # xla was measured with features only: its line is theirs
+            assert errors[-1] < 0.15, row  # the bound, every kernel and feature
     assert np.median(errors) < 0.1
 
 
@@ -184,7 +189,7 @@ def test_calibrate_from_results_cli(tmp_path, capsys):
     assert main(["calibrate", "--from-results", *files, "--out", str(out)]) == 0
     assert "merged into" in capsys.readouterr().out
     rates = costs.from_document(json.loads(out.read_text())).rates
-    assert rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"] == pytest.approx(597, rel=0.05)
+    assert rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"] == pytest.approx(668, rel=0.05)  # causal line
 
 
 def test_chip_model_is_kept_where_a_chip_is_named():

@@ -36,6 +36,13 @@ hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90+ GPU (the 
                                  "eager single steps run in the interpreter)")
 # smallest blocks, so small shards still walk several blocks per step
 SMALL = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, interpret=not ON_HOPPER)
+WIDE = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, dkv_num_stages=2,  # fits head_dim 256
+                       interpret=not ON_HOPPER)
+
+
+def small_for(head_dim: int) -> MosaicGpuConfig:
+    """SMALL where it fits shared memory (three dK/dV stages), else two stages."""
+    return SMALL if head_dim <= 128 else WIDE
 
 
 # --------------------------------------------------------------------------- one ring step
@@ -192,10 +199,8 @@ def test_step_head_dims(layout, n, shard, src, local, dtype, kw, head_dim):
     kw = dict(kw)
     batch = 2 if kw.get("segments") else 1
     segments = _docs(batch, local * n) if kw.pop("segments", False) else None
-    config = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64, dkv_num_stages=2,  # fits head_dim 256
-                             interpret=not ON_HOPPER)
-    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments, config=config,
-                **kw)
+    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
+                config=small_for(head_dim), **kw)
 
 
 @needs_kernels
@@ -244,7 +249,7 @@ RING_CASES = [
 @pytest.mark.parametrize("n, layout, dtype, xkw, kw", RING_CASES)
 def test_ring_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
-    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=SMALL, **kw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=small_for(xkw["head_dim"]), **kw)
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 

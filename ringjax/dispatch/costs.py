@@ -9,9 +9,11 @@ module fits rates to them and predicts:
   (causal, window, chunks, sink tokens, layout, ring size), times 4 * batch * heads * head_dim
   FLOPs forward and 3.5x that forward + backward (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + work / rate, the rate and
-  overhead fitted to the plain rows (no feature but causal), the rate scaled by the measured
-  head_dim nearest to the problem's and slowed by each feature's measured factor (features that
-  were not measured are priced as plain and the prediction says so);
+  overhead fitted to the plain rows, causal and not causal apart, the rate scaled by the measured
+  head_dim nearest to the problem's and slowed by each feature's measured factor; a head_dim or
+  feature one implementation was not measured at borrows the geometric mean of the factors measured
+  for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing),
+  and one nobody measured is priced as plain; the prediction says which;
 - packed segments skip blocks by their ids, which a problem does not know: priced as no skip.
 
 `python -m ringjax calibrate` measures and writes a file; `calibrate.from_results` builds one from
@@ -130,22 +132,42 @@ def cost_features(opts) -> tuple[str, ...]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Rates:
-    """Fitted times of one implementation at one dtype class: per mode (fwd, fwd_bwd)."""
+class Line:
+    """time = overhead_s * calls + work / (tflops * 1e12), per mode (fwd, fwd_bwd)."""
 
     tflops: Mapping[str, float]  # visible-work FLOP rate of the plain kernel at REFERENCE_HEAD_DIM
     overhead_s: Mapping[str, float]  # fixed cost per kernel call
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """Fitted times of one implementation at one dtype class: a line for causal calls and one for the
+    others (a causal kernel's rate per visible pair differs, most at short lengths: its diagonal tiles
+    and uneven rows), head_dim and feature factors on top."""
+
+    lines: Mapping[bool, Line]  # by causal; one of them may be missing, the other stands in
     head_dims: Mapping[int, Mapping[str, float]]  # rate at that head_dim over the reference rate
     features: Mapping[str, Mapping[str, float]]  # time per visible FLOP over plain's
     rows: int  # measurements behind it
     note: str = ""
+    borrowed: frozenset[str] = frozenset()  # features and "head_dim N" priced by other implementations' factors
 
-    def seconds(self, mode: str, flops: float, calls: int, head_dim: int, features: Sequence[str]) -> float:
+    def line(self, causal: bool) -> Line:
+        return self.lines.get(causal) or self.lines[not causal]
+
+    @property
+    def tflops(self) -> Mapping[str, float]:
+        """The causal line's rates (the one most calls use)."""
+        return self.line(True).tflops
+
+    def seconds(self, mode: str, flops: float, calls: int, head_dim: int, features: Sequence[str],
+                causal: bool = True) -> float:
         factor = 1.0
         for name in features:
             factor *= self.features.get(name, {}).get(mode, 1.0)
-        rate = self.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
-        return self.overhead_s[mode] * calls + flops / rate * factor
+        line = self.line(causal)
+        rate = line.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
+        return line.overhead_s[mode] * calls + flops / rate * factor
 
     def _head_dim_factor(self, head_dim: int, mode: str) -> float:
         dims = {REFERENCE_HEAD_DIM: {m: 1.0 for m in MODES}, **self.head_dims}
@@ -154,6 +176,12 @@ class Rates:
 
     def unmeasured(self, features: Sequence[str]) -> list[str]:
         return [name for name in features if name not in self.features]
+
+    def lent(self, head_dim: int, features: Sequence[str]) -> list[str]:
+        """What of (head_dim, features) this prediction prices by other implementations' factors."""
+        dims = {REFERENCE_HEAD_DIM, *self.head_dims}
+        nearest = min(dims, key=lambda d: (abs(math.log2(d / head_dim)), d))
+        return [x for x in (f"head_dim {nearest}", *features) if x in self.borrowed]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +246,13 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     if rates is None:
         return None
     flops, n, feats = forward_flops(problem), calls(problem), cost_features(problem.opts)
-    fwd = rates.seconds("fwd", flops, n, problem.head_dim, feats)
-    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, problem.head_dim, feats)
+    # the causal line where one causal kernel does the work; a ring's steps are mostly unmasked blocks
+    causal = problem.opts.causal and n == 1
+    fwd = rates.seconds("fwd", flops, n, problem.head_dim, feats, causal)
+    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, problem.head_dim, feats, causal)
     notes = []
+    if rates.lent(problem.head_dim, feats):
+        notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(problem.head_dim, feats)))
     if rates.unmeasured(feats):
         notes.append("unmeasured, priced as plain: " + ", ".join(rates.unmeasured(feats)))
     if problem.opts.has_segments:
@@ -261,58 +293,100 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     """Rates of one implementation at one dtype class from its measurements (see the module docstring)."""
-    measured = []
+    measured = []  # (row, forward FLOPs, priced features, head_dim, causal)
     for row in rows:
         p = problem_of(row)
         if not p.opts.has_segments:  # what segments skip depends on their ids: nothing to fit
-            measured.append((row, forward_flops(p), frozenset(cost_features(p.opts)), p.head_dim))
+            measured.append((row, forward_flops(p), frozenset(cost_features(p.opts)), p.head_dim, p.opts.causal))
     if not measured:
         raise ValueError("no measurement without segment_ids to fit rates to")
-    fewest = min(len(f) for _, _, f, _ in measured)
-    dims = [d for _, _, f, d in measured if len(f) == fewest]
+    fewest = min(len(m[2]) for m in measured)
+    dims = [m[3] for m in measured if len(m[2]) == fewest]
     ref_dim = REFERENCE_HEAD_DIM if REFERENCE_HEAD_DIM in dims else max(set(dims), key=dims.count)
-    base = [(row, flops) for row, flops, f, d in measured if len(f) == fewest and d == ref_dim]
     note = "" if fewest == 0 else "no plain measurement: fitted to rows with features, priced as plain"
     if ref_dim != REFERENCE_HEAD_DIM:
         note = "; ".join(filter(None, [note, f"measured at head_dim {ref_dim} only"]))
-    tflops, overhead = {}, {}
-    for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
-        points = [(flops * scale, row[f"{mode}_ms"] * 1e-3) for row, flops in base if row.get(f"{mode}_ms")]
-        if not points and mode == "fwd_bwd":  # forward only: assume the convention's ratio
-            points = [(flops * scale, row["fwd_ms"] * 1e-3 * scale) for row, flops in base]
-        overhead[mode], rate = _fit_line(points)
-        tflops[mode] = rate / 1e12
+    lines = {}
+    for causal in (True, False):
+        base = [(row, flops) for row, flops, f, d, c in measured if len(f) == fewest and d == ref_dim and c == causal]
+        if not base:
+            continue
+        tflops, overhead = {}, {}
+        for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
+            points = [(flops * scale, row[f"{mode}_ms"] * 1e-3) for row, flops in base if row.get(f"{mode}_ms")]
+            if not points and mode == "fwd_bwd":  # forward only: assume the convention's ratio
+                points = [(flops * scale, row["fwd_ms"] * 1e-3 * scale) for row, flops in base]
+            overhead[mode], rate = _fit_line(points)
+            tflops[mode] = rate / 1e12
+        lines[causal] = Line(tflops, overhead)
+    fallback = lines.get(True) or lines[False]
 
-    def factor(row, flops, mode, scale):
-        """Time per FLOP of `row` over the base rate's (above 1: slower)."""
-        t = row.get(f"{mode}_ms")
+    def factor(row, flops, causal, mode, scale):
+        """Time per FLOP of `row` over its line's (above 1: slower)."""
+        t, line = row.get(f"{mode}_ms"), lines.get(causal, fallback)
         if not t:
             return None
-        return max(t * 1e-3 - overhead[mode], 1e-9) * tflops[mode] * 1e12 / (flops * scale)
+        return max(t * 1e-3 - line.overhead_s[mode], 1e-9) * line.tflops[mode] * 1e12 / (flops * scale)
 
-    head_dims: dict[int, dict[str, float]] = {}
-    for d in sorted({d for _, _, f, d in measured if d != ref_dim}):
-        for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
-            found = [factor(r, fl, mode, scale) for r, fl, f, dd in measured if dd == d and len(f) == fewest]
-            found = [x for x in found if x]
-            if found:
-                head_dims.setdefault(d, {})[mode] = 1.0 / _geomean(found)
-    features: dict[str, dict[str, float]] = {}
+    modes = (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR))
+    # with no plain row the base rows' features are in the line: priced 1.0, not lent by other implementations
+    features: dict[str, dict[str, float]] = {name: {m: 1.0 for m in MODES} for m_ in measured
+                                            if len(m_[2]) == fewest for name in m_[2]}
     # a pass prices the features of rows whose other features earlier passes priced (geometric mean of rows)
     for _ in range(3):
         found: dict[str, dict[str, list[float]]] = {}
-        for row, flops, feats, d in measured:
+        for row, flops, feats, d, causal in measured:
             unknown = [name for name in feats if name not in features]
             if len(feats) <= fewest or len(unknown) != 1 or d != ref_dim:
                 continue
-            for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
-                x = factor(row, flops, mode, scale)
+            for mode, scale in modes:
+                x = factor(row, flops, causal, mode, scale)
                 if x is not None:
                     for known in feats - {unknown[0]}:
                         x /= features[known].get(mode, 1.0)
                     found.setdefault(unknown[0], {}).setdefault(mode, []).append(x)
         features.update({name: {mode: _geomean(xs) for mode, xs in by_mode.items()} for name, by_mode in found.items()})
-    return Rates(tflops, overhead, head_dims, features, len(rows), note)
+    # head_dims from every row whose features are priced: its rate over the line's, those features divided out
+    def plain_factor(row, flops, feats, causal, mode, scale):
+        x = factor(row, flops, causal, mode, scale)
+        if x is None or len(feats) == fewest:  # the base rows' own features are priced as plain
+            return x
+        if any(name not in features for name in feats):
+            return None
+        return x / math.prod(features[name].get(mode, 1.0) for name in feats)
+
+    head_dims: dict[int, dict[str, float]] = {}
+    for d in sorted({m[3] for m in measured} - {ref_dim}):
+        for mode, scale in modes:
+            found_d = [plain_factor(row, flops, feats, c, mode, scale)
+                       for row, flops, feats, dd, c in measured if dd == d]
+            found_d = [x for x in found_d if x]
+            if found_d:
+                head_dims.setdefault(d, {})[mode] = 1.0 / _geomean(found_d)
+    return Rates(lines, head_dims, features, len(rows), note)
+
+
+def _lend(rates: Mapping[tuple[str, str], Rates]) -> dict[tuple[str, str], Rates]:
+    """Each implementation's rates with the head_dims and features it lacks priced by the geometric mean of
+    the factors the others of its dtype class measured."""
+
+    def borrow(mine: Mapping, theirs: list[Mapping], label: str, borrowed: set[str]) -> dict:
+        table = dict(mine)
+        for key in sorted({k for t in theirs for k in t} - set(mine) - {REFERENCE_HEAD_DIM}, key=str):
+            found = [t[key] for t in theirs if key in t]
+            table[key] = {m: _geomean([f[m] for f in found if m in f]) for m in MODES if any(m in f for f in found)}
+            borrowed.add(label.format(key))
+        return table
+
+    out = {}
+    for (name, dtype), own in rates.items():
+        peers = [r for (n, d), r in rates.items() if d == dtype and n != name]
+        borrowed = set(own.borrowed)
+        head_dims = borrow(own.head_dims, [r.head_dims for r in peers], "head_dim {}", borrowed)
+        features = borrow(own.features, [r.features for r in peers], "{}", borrowed)
+        out[(name, dtype)] = dataclasses.replace(own, head_dims=head_dims, features=features,
+                                                 borrowed=frozenset(borrowed))
+    return out
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -353,7 +427,7 @@ def from_document(doc: Mapping[str, Any], path: str = "") -> Calibration:
         kinds.setdefault(row["collective"], []).append(row)
     return Calibration(
         device_kind=doc["device_kind"],
-        rates={key: fit_rates(rows) for key, rows in groups.items()},
+        rates=_lend({key: fit_rates(rows) for key, rows in groups.items()}),
         collectives={kind: fit_collective(rows) for kind, rows in kinds.items()},
         path=path,
         hbm_bytes=float(doc.get("hbm_bytes", 0.0)),
