@@ -148,12 +148,44 @@ def ratios(a: dict, b: dict) -> dict:
     return out
 
 
-def timed(attn, inputs, flops: float, args, devices: int = 1) -> tuple[dict, object]:
-    """measure(...) with ringjax's log: (rates + "implementation" it ran, forward output)."""
+def timed(attn, inputs, flops: float, args, devices: int = 1, reports: list | None = None) -> tuple[dict, object]:
+    """measure(...) with ringjax's log: (rates + "implementation" it ran, forward output); the
+    `ringjax.implementation` reports of the call are appended to `reports` if given."""
     with ringjax_log() as log:
         timing, out = measure(attn, *inputs, flops, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
                               devices=devices)
+    if reports is not None:
+        reports.extend(log.reports)
     return {**picked(log), **timing}, out
+
+
+def candidates_timed(report, chosen: dict, options: dict, inputs, flops: float, args) -> dict:
+    """Every implementation `auto` considered and could run, timed beside its prediction: {"candidates":
+    {name: times and predicted times}, "auto_vs_fastest": the fastest fwd+bwd over auto's, "predicted_error":
+    auto's predicted fwd+bwd over measured, minus 1}."""
+    out = {}
+    for c in report.candidates:
+        if c.refusal is not None:
+            continue
+        if c.name == report.implementation:
+            timing = chosen
+        else:
+            try:
+                timing, _ = timed(ringjax_attention(c.name, True, **options), inputs, flops, args)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails is a result too
+                out[c.name] = {"error": failure(e)}
+                continue
+        p = c.prediction
+        out[c.name] = {"fwd_ms": timing.get("fwd_ms"), "fwd_bwd_ms": timing.get("fwd_bwd_ms"),
+                       "predicted_fwd_ms": significant(p.fwd_s * 1e3, 4) if p else None,
+                       "predicted_fwd_bwd_ms": significant(p.fwd_bwd_s * 1e3, 4) if p else None}
+    times = [x["fwd_bwd_ms"] for x in out.values() if x.get("fwd_bwd_ms")]
+    mine = out.get(report.implementation, {})
+    predicted = mine.get("predicted_fwd_bwd_ms")
+    return {"candidates": out,
+            "auto_vs_fastest": significant(min(times) / mine["fwd_bwd_ms"], 3) if mine.get("fwd_bwd_ms") else None,
+            "predicted_error": significant(predicted / mine["fwd_bwd_ms"] - 1, 3) if predicted and
+            mine.get("fwd_bwd_ms") else None}
 
 
 def timed_other(library: str, causal: bool, inputs, flops: float, args, **options) -> dict:
@@ -342,12 +374,16 @@ def run_coverage(args, rec: Recorder):
                 if shape not in inputs_by_shape:
                     inputs_by_shape[shape] = random_inputs(shape, t)
                 inputs = inputs_by_shape[shape]
-                timing, out = timed(ringjax_attention(args.implementation, True, **options), inputs, flops, args)
+                reports: list = []
+                timing, out = timed(ringjax_attention(args.implementation, True, **options), inputs, flops, args,
+                                    reports=reports)
                 finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
                 del out
             except Exception as e:  # noqa: BLE001 - a feature an implementation refuses is a row, not a crash
                 rec.add(case, error=failure(e))
                 continue
+            extra = (candidates_timed(reports[-1], timing, options, inputs, flops, args)
+                     if args.candidates and reports else {})
             if name == "plain":
                 plain = timing
             cudnn = ({"skipped": cudnn_options} if isinstance(cudnn_options, str)
@@ -356,7 +392,7 @@ def run_coverage(args, rec: Recorder):
             visible = significant(visible_fraction(t, options), 4)
             vs = {m: (significant(x * visible, 3) if x else None) for m, x in ratios(timing, plain).items()} \
                 if plain else None
-            rec.add(case, **timing, finite=finite, visible=visible, vs_plain=vs, cudnn=cudnn)
+            rec.add(case, **timing, finite=finite, visible=visible, vs_plain=vs, cudnn=cudnn, **extra)
         del inputs_by_shape
 
 
@@ -529,18 +565,21 @@ def table_strategies(rows):
 
 
 def table_coverage(rows):
+    judged = any("auto_vs_fastest" in r for r in rows)  # runs with --candidates
     body = []
     for r in rows:
         c = r["case"]
         if "fwd_tflops" not in r:
-            body.append([kilo(c["T"]), c["feature"], "failed (below)"] + ["—"] * 6)
+            body.append([kilo(c["T"]), c["feature"], "failed (below)"] + ["—"] * (9 if judged else 7))
             continue
         vs = r.get("vs_plain") or {}
         body.append([kilo(c["T"]), c["feature"], r.get("implementation"), r.get("fwd_tflops"),
                      r.get("fwd_bwd_tflops"), r.get("visible", "—"), vs.get("fwd"), vs.get("fwd_bwd"),
-                     tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")])
+                     tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")]
+                    + ([r.get("auto_vs_fastest", "—"), r.get("predicted_error", "—")] if judged else []))
     return markdown_table(["T", "feature", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "visible",
-                           "fwd vs plain", "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"], body)
+                           "fwd vs plain", "fwd+bwd vs plain", "cuDNN fwd", "cuDNN fwd+bwd"]
+                          + (["auto / fastest", "predicted err"] if judged else []), body)
 
 
 def table_precision(rows):
@@ -835,6 +874,9 @@ def parser() -> argparse.ArgumentParser:
                                 "(default: all)")
             s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
             s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' (default 2048)")
+            s.add_argument("--candidates", action="store_true",
+                           help="also time every implementation 'auto' could have run, beside its predicted "
+                                "time: is auto the fastest, and how far off are the predictions")
         if name == "precision":
             s.add_argument("--precisions", type=lambda x: x.split(","),
                            help="comma-separated jax matmul precisions (default default,highest; also e.g. "

@@ -161,19 +161,29 @@ def failure(e: BaseException) -> str:
 # ----------------------------------------------------------------------------- what ringjax ran
 
 
+class Messages(list):
+    """Log lines (str), with the `ringjax.implementation` reports they render in `.reports`."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports: list = []
+
+
 class _Collect(logging.Handler):
-    def __init__(self, messages: list):
+    def __init__(self, messages: Messages):
         super().__init__(logging.DEBUG)
         self.messages = messages
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+        if record.name == "ringjax.implementation" and record.args:
+            self.messages.reports.append(record.args[0])
 
 
 @contextlib.contextmanager
 def ringjax_log():
     """Collect what the loggers under "ringjax" say, DEBUG included, while the block runs (traces log)."""
-    messages: list[str] = []
+    messages = Messages()
     logger, handler = logging.getLogger("ringjax"), _Collect(messages)
     level = logger.level
     logger.addHandler(handler)

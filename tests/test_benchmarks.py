@@ -146,6 +146,21 @@ def test_suite_runs_on_cpu(results, suite):
     assert "|---|" in log  # the run ends with its markdown table
 
 
+def test_coverage_candidates_judge_auto(tmp_path):
+    """--candidates times what auto could have run beside its prediction (on a CPU: xla alone, unpredicted)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    child = subprocess.run([sys.executable, str(BENCH), "coverage", "--tiny", "--candidates", "--features",
+                            "plain,alibi", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = rows_of(tmp_path, "coverage")
+    assert [r["case"]["feature"] for r in rows] == ["plain", "alibi"]
+    for r in rows:
+        assert set(r["candidates"]) == {"xla"} and r["candidates"]["xla"]["fwd_bwd_ms"] == r["fwd_bwd_ms"]
+        assert r["auto_vs_fastest"] == 1.0 and r["predicted_error"] is None  # no calibration for a CPU
+    assert "| auto / fastest | predicted err |" in child.stdout
+
+
 def test_report_writes_readme_tables_and_plots(results, tmp_path):
     out, runs = results
     readme = tmp_path / "README.md"
