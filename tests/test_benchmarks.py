@@ -151,7 +151,8 @@ def test_coverage_candidates_judge_auto(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
     child = subprocess.run([sys.executable, str(BENCH), "coverage", "--tiny", "--candidates", "--features",
-                            "plain,alibi", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+                            "plain,alibi", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                           env=env)
     assert child.returncode == 0, child.stderr[-3000:]
     rows = rows_of(tmp_path, "coverage")
     assert [r["case"]["feature"] for r in rows] == ["plain", "alibi"]
