@@ -16,6 +16,11 @@ import sys
 from pathlib import Path
 
 
+def _head_dims(head_dim, v_head_dim=None) -> str:
+    """q/k's head_dim, and v's after a slash where it differs."""
+    return str(head_dim) if v_head_dim in (None, head_dim) else f"{head_dim}/{v_head_dim}"
+
+
 def _cache_entries_table(entries: dict, current: dict | None) -> list[str]:
     lines = []
     for kid, entry in sorted(entries.items(), key=lambda kv: json.dumps(kv[1]["key"], sort_keys=True)):
@@ -38,7 +43,8 @@ def _cache_entries_table(entries: dict, current: dict | None) -> list[str]:
         lines.append(
             f"{kid}  {key.get('implementation')} {key.get('dtype')} "
             f"B={shape.get('batch')} T={shape.get('seq')} H={shape.get('heads')}/{shape.get('kv_heads')} "
-            f"D={shape.get('head_dim')} ring={key.get('axis_size')} {','.join(on) or '-'}"
+            f"D={_head_dims(shape.get('head_dim'), shape.get('v_head_dim'))} ring={key.get('axis_size')} "
+            f"{','.join(on) or '-'}"
             f"  -> {json.dumps(entry['config'], sort_keys=True)}{timing}{state}"
         )
     return lines
@@ -203,13 +209,15 @@ def _cmd_tune(args) -> int:
     )
     result = autotuning.tune_shapes(
         batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-        dtype=args.dtype, axis_size=args.axis_size, implementation=args.implementation, settings=settings,
+        v_head_dim=args.v_head_dim, dtype=args.dtype, axis_size=args.axis_size, implementation=args.implementation,
+        settings=settings,
         **{name: getattr(args, name) for name in TUNABLE},
     )
     p = result.problem
     print(f"{result.implementation} on {p.device_kind} ({p.platform}), jax {jax.__version__}, "
           f"{datetime.date.today().isoformat()}; per device: B={p.batch} T={p.seq} H={p.heads}/{p.kv_heads} "
-          f"D={p.head_dim} {p.dtype}, ring of {p.opts.axis_size}, {'fwd+bwd' if settings.backward else 'fwd'}")
+          f"D={_head_dims(*p.head_dims)} {p.dtype}, ring of {p.opts.axis_size}, "
+          f"{'fwd+bwd' if settings.backward else 'fwd'}")
     for cfg, seconds, err in result.timings:
         try:
             shown = json.dumps(registry.config_to_json(cfg), sort_keys=True)
@@ -264,10 +272,11 @@ def _platform_of(device_kind: str) -> str:
     raise ValueError(f"cannot tell the platform of device kind {device_kind!r}: pass --platform")
 
 
-def explain(*, shape, kv_heads=None, dtype="bfloat16", precision="default", device_kind=None, platform=None,
-            devices=1, strategy="ring", implementation="auto", op="ring_attention", **features) -> str:
-    """What `ring_attention` would run for global q of `shape` (batch, seq, heads, head_dim) with the sequence
-    split over `devices` devices of `device_kind` (default: this host's), and why; nothing is run."""
+def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precision="default", device_kind=None,
+            platform=None, devices=1, strategy="ring", implementation="auto", op="ring_attention", **features) -> str:
+    """What `ring_attention` would run for global q of `shape` (batch, seq, heads, head_dim) and v of head_dim
+    `v_head_dim` (None: q's) with the sequence split over `devices` devices of `device_kind` (default: this
+    host's), and why; nothing is run."""
     import jax.numpy as jnp
 
     from ringjax.core import precision as precisions
@@ -293,7 +302,8 @@ def explain(*, shape, kv_heads=None, dtype="bfloat16", precision="default", devi
         raise ValueError(f"seq ({seq}) must be divisible by {chunks} for {devices} devices and layout {opts.layout!r}")
     dtype = str(jnp.dtype(dtype))
     base = registry.Problem(opts=opts, batch=batch, seq=seq // devices, heads=heads, kv_heads=kv_heads,
-                            head_dim=head_dim, dtype=dtype, platform=platform, device_kind=device_kind,
+                            head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, platform=platform,
+                            device_kind=device_kind,
                             precision=precisions.canonical(precision) if dtype == "float32" else precisions.DEFAULT)
     axis, sizes = ("sp", {"sp": devices}) if devices > 1 else (None, {})
     if strategy == "auto":
@@ -326,7 +336,8 @@ def _cmd_explain(args) -> int:
     if len(shape) != 4 or min(shape) < 1:
         raise ValueError(f"--shape must be BATCH,SEQ,HEADS,HEAD_DIM (positive), got {args.shape!r}")
     features = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) not in (None, False)}
-    print(explain(shape=shape, kv_heads=args.kv_heads, dtype=args.dtype, precision=args.precision,
+    print(explain(shape=shape, kv_heads=args.kv_heads, v_head_dim=args.v_head_dim, dtype=args.dtype,
+                  precision=args.precision,
                   device_kind=args.device_kind, platform=args.platform, devices=args.devices, strategy=args.strategy,
                   implementation=args.implementation, op=args.op, **features))
     return 0
@@ -440,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="what ring_attention would run for global shapes, and why (runs nothing)")
     p.add_argument("--shape", required=True, help="global q shape BATCH,SEQ,HEADS,HEAD_DIM, e.g. 1,32768,32,128")
     p.add_argument("--kv-heads", type=_positive_int, help="default: HEADS")
+    p.add_argument("--v-head-dim", type=_positive_int, help="v's head_dim (multi-head latent attention; default: "
+                                                           "HEAD_DIM)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "float64"))
     p.add_argument("--precision", default="default", help="jax's matmul precision for float32 (default, highest)")
     p.add_argument("--device-kind", help='e.g. "NVIDIA H200" (default: this host\'s first device)')
@@ -467,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=_positive_int, required=True, help="per-device query heads")
     p.add_argument("--kv-heads", type=_positive_int, help="per-device key/value heads (default: --heads)")
     p.add_argument("--head-dim", type=_positive_int, required=True)
+    p.add_argument("--v-head-dim", type=_positive_int, help="v's head_dim (default: --head-dim)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--axis-size", type=_positive_int, default=1, help="ring size (devices on the sequence axis)")
     _add_feature_flags(p)

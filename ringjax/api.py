@@ -24,7 +24,7 @@ _SHARD_SEED_STRIDE = (0x9E3779B9, 0x7F4A7C15)
 def ring_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads v_head_dim"],
     *,
     axis_name: str | tuple[str, str] | None = "sp",
     causal: bool = False,
@@ -51,10 +51,11 @@ def ring_attention(
     Inside `jax.shard_map` the arrays are local shards; outside it they are global
     arrays and the op shards the sequence over `axis_name` of `mesh` (or the mesh
     set by `jax.set_mesh`); `axis_name=None` runs on one device without a ring.
-    `layout` says which global positions each shard holds; see `to_layout`. Returns
-    out [batch, seq, heads, head_dim] in q's dtype and, with `return_lse`, lse
-    [batch, heads, seq] float32 (natural log, -inf for rows that see no key). Mask
-    and logit options are described in the README's table.
+    `layout` says which global positions each shard holds; see `to_layout`. v may have a
+    head_dim of its own (multi-head latent attention: q/k 192, v 128); the default
+    softmax_scale is 1/sqrt(q's head_dim). Returns out [batch, seq, heads, v_head_dim] in
+    q's dtype and, with `return_lse`, lse [batch, heads, seq] float32 (natural log, -inf
+    for rows that see no key). Mask and logit options are described in the README's table.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |
@@ -92,6 +93,7 @@ def ring_attention(
         heads=heads,
         kv_heads=k.shape[2] // call.ways(call.head_axes),
         head_dim=head_dim,
+        v_head_dim=v.shape[3],
         dtype=str(q.dtype),
         platform=registry.current_platform(),
         precision=precision.current(q.dtype),  # jax's matmul precision now, while the call is traced

@@ -109,8 +109,8 @@ def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
 
 
 def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layout, global_len, ring_kw):
-    """Per-device dilated attention: (out [B,T,H,D], lse f32 [B,H,T])."""
-    b, t, h, d = q.shape
+    """Per-device dilated attention: (out [B,T,H,Dv], lse f32 [B,H,T])."""
+    b, t, h, _ = q.shape
     group = h // k.shape[2]
     shard = lax.axis_index(axis_name) if axis_name is not None else 0
     pos = local_positions(layout, shard, axis_size, t)
@@ -148,7 +148,7 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
             results = [ring_attention(p[2], p[3], p[4], segment_ids=p[5], **kw) for p in parts]
         if r == 1 and len(branches) == 1:
             return results[0]  # the single part is the whole answer
-        out_b = jnp.zeros((b, t, h, d), jnp.float32)
+        out_b = jnp.zeros((b, t, h, v.shape[3]), jnp.float32)
         lse_b = jnp.full((b, h, t), -jnp.inf, jnp.float32)
         for (o, heads, *_), (out_o, lse_o) in zip(parts, results):
             out_b = out_b.at[:, o::r, heads].set(out_o.astype(jnp.float32))
@@ -166,7 +166,7 @@ def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layou
 def dilated_attention(
     q: Float[Array, "batch seq heads head_dim"],
     k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads v_head_dim"],
     *,
     segment_lengths: int | Sequence[int],
     dilation_rates: int | Sequence[int],
@@ -185,8 +185,8 @@ def dilated_attention(
     On a ring, every shard (zigzag: half shard) length must be a multiple of every r > 1,
     and layout "striped" needs all r = 1. Inside shard_map, h is the local head index.
     With `segment_ids`, ids must stay below 2**31 / ceil(seq / w) for every w.
-    Returns out [batch, seq, heads, head_dim] in q's dtype and, with `return_lse`,
-    lse [batch, heads, seq] float32.
+    Returns out [batch, seq, heads, v_head_dim] in q's dtype (v may have a head_dim of its own, as
+    for `ring_attention`) and, with `return_lse`, lse [batch, heads, seq] float32.
 
     The other keywords are those of `ring_attention` (`ringjax.options.KEYWORDS`, same defaults); the ones
     not listed here (chunk_size, alibi_slopes, dropout, num_sink_tokens, strategy) raise a TypeError.

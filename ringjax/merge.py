@@ -76,6 +76,8 @@ def merge_attention_many(
                 f"part {i}: out must be [batch, seq, heads, head_dim] and lse [batch, heads, seq], "
                 f"got {o.shape} and {lse_i.shape}"
             )
+        if o.shape != outs[0].shape:  # any head_dim (v's), but one for every part
+            raise ValueError(f"part {i}: out must have part 0's shape {outs[0].shape}, got {o.shape}")
     lses32 = [lse_i.astype(jnp.float32) for lse_i in lses]
     m = lses32[0]
     for lse_i in lses32[1:]:

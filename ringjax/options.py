@@ -142,8 +142,6 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, seq, heads, head_dim = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
     if k.shape[0] != batch:
         raise ValueError(f"k batch {k.shape[0]} must equal q batch {batch}")
     if k.shape[1] != seq:
@@ -152,8 +150,12 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
             "over one sharded sequence)"
         )
     if k.shape[3] != head_dim:
-        raise ValueError(f"k head_dim {k.shape[3]} must equal q head_dim {head_dim}")
+        raise ValueError(f"k head_dim {k.shape[3]} must equal q head_dim {head_dim} (QK^T contracts over it)")
     kv_heads = k.shape[2]
+    if v.shape[:3] != k.shape[:3]:
+        # v may have its own head_dim (multi-head latent attention), nothing else of its own
+        raise ValueError(f"v must have shape [batch, seq, kv_heads, v_head_dim] = [{batch}, {k.shape[1]}, {kv_heads}, "
+                         f"v_head_dim] (k's batch, sequence and kv_heads; any v_head_dim), got {v.shape}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     chunks = sequence_chunks(layout, axis_size)

@@ -28,7 +28,8 @@ def ring_attention_qkvpacked(qkv: Float[Array, "batch seq 3 heads head_dim"], **
     """`ring_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], **kwargs)`.
 
     Takes every keyword argument of `ring_attention`; gradients flow to `qkv`.
-    Grouped-query attention needs separate K/V heads: use `ring_attention_kvpacked`.
+    Grouped-query attention needs separate K/V heads: use `ring_attention_kvpacked`; v with a
+    head_dim of its own (multi-head latent attention) needs separate k and v: `ring_attention`.
     """
     check_keywords("ring_attention_qkvpacked", kwargs, KEYWORDS_BY_NAME)
     _check_packed(qkv, "qkv", 3, "[batch, seq, 3, heads, head_dim]")
@@ -40,9 +41,17 @@ def ring_attention_kvpacked(
     kv: Float[Array, "batch seq 2 kv_heads head_dim"],
     **kwargs,
 ):
-    """`ring_attention(q, kv[:, :, 0], kv[:, :, 1], **kwargs)`; gradients flow to `kv`."""
+    """`ring_attention(q, kv[:, :, 0], kv[:, :, 1], **kwargs)`; gradients flow to `kv`.
+
+    K and V packed in one array share one head_dim, q's: for v with a head_dim of its own (multi-head
+    latent attention) pass k and v separately to `ring_attention`.
+    """
     check_keywords("ring_attention_kvpacked", kwargs, KEYWORDS_BY_NAME)
     _check_packed(kv, "kv", 2, "[batch, seq, 2, kv_heads, head_dim]")
+    if getattr(q, "ndim", None) == 4 and q.shape[3] != kv.shape[4]:
+        raise ValueError(f"kv packs K and V with one head_dim ({kv.shape[4]}), which must equal q's head_dim "
+                         f"({q.shape[3]}); for a v_head_dim other than q's (multi-head latent attention) pass k "
+                         "and v separately to ring_attention")
     return ring_attention(q, kv[:, :, 0], kv[:, :, 1], **kwargs)
 
 
@@ -51,8 +60,8 @@ def _check_varlen(q, k, v, cu_seqlens) -> None:
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 3:
-            what = "heads" if name == "q" else "kv_heads"
-            raise ValueError(f"{name} must have shape [total_tokens, {what}, head_dim], got {x.shape}")
+            what = {"q": "heads, head_dim", "k": "kv_heads, head_dim", "v": "kv_heads, v_head_dim"}[name]
+            raise ValueError(f"{name} must have shape [total_tokens, {what}], got {x.shape}")
     if not hasattr(cu_seqlens, "shape") or not hasattr(cu_seqlens, "dtype"):
         raise TypeError(f"cu_seqlens must be an int32 array, got {type(cu_seqlens).__name__}")
     if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1:
@@ -84,7 +93,7 @@ def _global_order_positions(layout: str, axis_size: int, total: int) -> np.ndarr
 def ring_attention_varlen(
     q: Float[Array, "total_tokens heads head_dim"],
     k: Float[Array, "total_tokens kv_heads head_dim"],
-    v: Float[Array, "total_tokens kv_heads head_dim"],
+    v: Float[Array, "total_tokens kv_heads v_head_dim"],
     cu_seqlens: Int[Array, " num_seqs_plus_1"],
     **kwargs,
 ):
@@ -97,7 +106,7 @@ def ring_attention_varlen(
     `ring_attention`, are in `layout` order (see `to_layout`).
 
     Takes the keyword arguments of `ring_attention` except `segment_ids` (derived from
-    cu_seqlens). Returns out [total_tokens, heads, head_dim] and, with `return_lse`,
+    cu_seqlens). Returns out [total_tokens, heads, v_head_dim] and, with `return_lse`,
     lse [heads, total_tokens]. cu_seqlens values are checked (start 0, non-decreasing,
     within the tokens) only when concrete; under jit they are trusted.
     """

@@ -21,17 +21,19 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "tf32": 5e-3}
 
 
 def make_inputs(seed, *, batch=2, seq=64, heads=4, kv_heads=2, head_dim=16, dtype="float32",
-                segments=None, sinks=False, alibi=False, dropout_key=None):
+                segments=None, sinks=False, alibi=False, dropout_key=None, v_head_dim=None):
     """Fresh random q, k, v and cotangents, exactly representable in `dtype`.
 
     `segments`: None, a list of segment lengths, or "random" (packed documents with padding).
+    `v_head_dim`: v's (and the output's) head_dim, None: head_dim.
     """
     rng = np.random.default_rng(seed)
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     x = {
         "q": rng.standard_normal((batch, seq, heads, head_dim)),
         "k": rng.standard_normal((batch, seq, kv_heads, head_dim)),
-        "v": rng.standard_normal((batch, seq, kv_heads, head_dim)),
-        "dout": rng.standard_normal((batch, seq, heads, head_dim)),
+        "v": rng.standard_normal((batch, seq, kv_heads, v_head_dim)),
+        "dout": rng.standard_normal((batch, seq, heads, v_head_dim)),
         "dlse": rng.standard_normal((batch, heads, seq)),
     }
     x = {name: val.astype(np.float32) for name, val in x.items()}

@@ -81,9 +81,10 @@ COMMON_FIELDS = frozenset({"softmax_scale", "layout", "axis_name", "axis_size"})
 class Support:
     """What one implementation computes: features by name, dtypes, head_dims.
 
-    `head_dims` is a predicate with `head_dims_text` saying it in words; None means any.
-    Limits that depend on the machine (shared memory, GPU generation) stay in the
-    implementation's own `supports()`.
+    `head_dims` is a predicate with `head_dims_text` saying it in words; None means any. It holds
+    for q/k's head_dim and for v's, which may differ (multi-head latent attention) unless
+    `v_head_dim_refusal` says why not. Limits that depend on the machine (shared memory, GPU
+    generation) stay in the implementation's own `supports()`.
     """
 
     features: frozenset[str]
@@ -95,6 +96,8 @@ class Support:
     # words, what float32 tiles are multiplied in (the README's table)
     float32_precisions: frozenset[str] | None = None
     float32_text: str = "as jax's matmul precision says"
+    # why v's head_dim may not differ from q/k's here; None: it may
+    v_head_dim_refusal: str | None = None
 
     def __post_init__(self):
         unknown = sorted(set(self.features) - set(BY_NAME))
@@ -123,8 +126,13 @@ class Support:
             return (f"float32 at jax's matmul precision {problem.precision!r} ({precision.describe(problem.precision)}"
                     f") is not implemented in {name}, which multiplies float32 in {self.float32_text}; "
                     "implementation='auto' picks one that computes it")
-        if self.head_dims is not None and not self.head_dims(problem.head_dim):
-            return f"head_dim {problem.head_dim} is not supported: needs {self.head_dims_text}"
+        d, dv = problem.head_dims
+        if dv != d and self.v_head_dim_refusal is not None:
+            return (f"v head_dim {dv} other than q/k's head_dim {d} is not implemented in {name}: "
+                    f"{self.v_head_dim_refusal}")
+        for what, dim in (("head_dim", d), ("v head_dim", dv)):
+            if self.head_dims is not None and not self.head_dims(dim):
+                return f"{what} {dim} is not supported: needs {self.head_dims_text}"
         unit = problem.seq // opts.shards_per_device
         if unit % self.min_seq_multiple:
             what = ("half the per-device sequence (zigzag)" if opts.shards_per_device == 2
@@ -149,8 +157,8 @@ _DTYPE_NAMES = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16
 
 
 def markdown_table(columns: list[tuple[str, Support]]) -> str:
-    """The README's coverage table: one row per feature (yes / refused), then dtypes, float32 precision and
-    head_dims."""
+    """The README's coverage table: one row per feature (yes / refused), then dtypes, float32 precision,
+    head_dims and whether v's head_dim may differ."""
     header = "| argument | meaning | " + " | ".join(f"`{name}`" for name, _ in columns) + " |"
     lines = [header, "|" + "---|" * (2 + len(columns))]
     for f in FEATURES:
@@ -161,5 +169,8 @@ def markdown_table(columns: list[tuple[str, Support]]) -> str:
     float32 = [s.float32_text if "float32" in s.dtypes else "—" for _, s in columns]
     lines.append("| float32 matmuls | what float32 q, k, v are multiplied in (`jax.default_matmul_precision`) | "
                  + " | ".join(float32) + " |")
-    lines.append("| head_dim | of q, k, v | " + " | ".join(s.head_dims_text for _, s in columns) + " |")
+    lines.append("| head_dim | of q and k, and of v | " + " | ".join(s.head_dims_text for _, s in columns) + " |")
+    v_dims = ["yes" if s.v_head_dim_refusal is None else "refused" for _, s in columns]
+    lines.append("| v head_dim differs | v with a head_dim of its own (multi-head latent attention: q/k 192, v 128); "
+                 "out takes v's | " + " | ".join(v_dims) + " |")
     return "\n".join(lines)

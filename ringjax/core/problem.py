@@ -23,7 +23,9 @@ class Problem:
 
     `precision` is jax's matmul precision for float32 tiles when the call was traced
     (`core.precision.current`): "default" (TF32 on GPUs), "high", "highest" (full float32) or a
-    `lax.DotAlgorithmPreset` name; always "default" for other dtypes.
+    `lax.DotAlgorithmPreset` name; always "default" for other dtypes. `head_dim` is q's and k's,
+    `v_head_dim` v's and the output's (multi-head latent attention: 192 and 128); None means head_dim,
+    and is replaced by it, so equal problems compare (and key caches) equal.
     """
 
     opts: AttentionOptions
@@ -36,6 +38,11 @@ class Problem:
     platform: str
     device_kind: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" = not resolved yet (see resolved())
     precision: str = "default"
+    v_head_dim: int | None = None  # None: head_dim
+
+    def __post_init__(self):
+        if self.v_head_dim is None:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
 
     def resolved(self) -> Problem:
         """This problem with `device_kind` filled in from the first device of `platform`."""
@@ -46,6 +53,11 @@ class Problem:
     @property
     def gqa_ratio(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        """(q/k head_dim, v head_dim)."""
+        return self.head_dim, self.v_head_dim or self.head_dim  # __post_init__ filled v_head_dim in
 
 
 class Implementation(Protocol):

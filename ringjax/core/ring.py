@@ -30,7 +30,8 @@ from ringjax.options import AttentionOptions
 class BlockKernel:
     """One ring step: all local queries against one shard of keys.
 
-    fwd(q, k, v, q_info, k_info, extras, opts, config) -> (out f32 [B,T,H,D], lse f32 [B,H,T])
+    fwd(q, k, v, q_info, k_info, extras, opts, config) -> (out f32 [B,T,H,Dv], lse f32 [B,H,T]),
+      Dv v's head_dim (which may differ from q's and k's)
     bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
       -> (dq, dk, dv, d alibi_slopes or None), float32,
       where lse is the final (whole-ring) lse and delta = rowsum(dout * out) - dlse.
@@ -222,7 +223,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
             return kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config)
 
         def empty(k_cur=k_cur):
-            zero = _compat.match_vma(jnp.zeros(q.shape, jnp.float32), q, k_cur)
+            zero = _compat.match_vma(jnp.zeros((b, t, h, v.shape[3]), jnp.float32), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
         o, lse_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)

@@ -35,12 +35,14 @@ def pick_block(length: int, want: int, opts: AttentionOptions, **rules) -> int |
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    """Static block structure of one step: q [batch, q_len, heads, head_dim] against k [batch, kv_len, kv_heads, _]."""
+    """Static block structure of one step: q [batch, q_len, heads, head_dim] against k [batch, kv_len, kv_heads, _]
+    and v [batch, kv_len, kv_heads, v_head_dim] (v's head_dim may differ from q's and k's)."""
 
     batch: int
     heads: int
     kv_heads: int
     head_dim: int
+    v_head_dim: int
     q_len: int
     kv_len: int
     block_q: int
@@ -48,9 +50,9 @@ class Tiling:
     has_segments: bool = False
 
     @classmethod
-    def of(cls, q, k, block_q: int, block_kv: int, has_segments: bool = False) -> Tiling:
+    def of(cls, q, k, v, block_q: int, block_kv: int, has_segments: bool = False) -> Tiling:
         b, t, h, d = q.shape
-        return cls(b, h, k.shape[2], d, t, k.shape[1], block_q, block_kv, has_segments)
+        return cls(b, h, k.shape[2], d, v.shape[3], t, k.shape[1], block_q, block_kv, has_segments)
 
     @property
     def groups(self) -> int:

@@ -194,12 +194,12 @@ def _stand_ins(problem: registry.Problem, n: int, seed: int = 0):
     t = problem.seq * n
     q = rng.standard_normal((problem.batch, t, problem.heads, problem.head_dim)).astype(dtype)
     k = rng.standard_normal((problem.batch, t, problem.kv_heads, problem.head_dim)).astype(dtype)
-    v = rng.standard_normal((problem.batch, t, problem.kv_heads, problem.head_dim)).astype(dtype)
+    v = rng.standard_normal((problem.batch, t, problem.kv_heads, problem.v_head_dim)).astype(dtype)
     seg = None
     if problem.opts.has_segments:  # four documents: some blocks skip, most do not
         seg = np.broadcast_to((np.arange(t) * 4 // t).astype(np.int32), (problem.batch, t)).copy()
     sinks = rng.standard_normal((problem.heads,)).astype(np.float32) if problem.opts.has_sinks else None
-    w = rng.standard_normal((problem.batch, t, problem.heads, problem.head_dim)).astype(np.float32)
+    w = rng.standard_normal((problem.batch, t, problem.heads, problem.v_head_dim)).astype(np.float32)
     slopes = rng.uniform(0.01, 0.5, (problem.heads,)).astype(np.float32) if problem.opts.has_alibi else None
     seed = rng.integers(0, 2**32, (2,), dtype=np.uint32) if problem.opts.dropout_rate else None
     return q, k, v, seg, sinks, w, slopes, seed
@@ -456,6 +456,7 @@ def tune_shapes(
     heads: int,
     kv_heads: int | None = None,
     head_dim: int,
+    v_head_dim: int | None = None,
     dtype: str = "bfloat16",
     axis_size: int = 1,
     implementation: str = "auto",
@@ -463,7 +464,8 @@ def tune_shapes(
     settings: TuneSettings | None = None,
     **features,
 ) -> TuneResult:
-    """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways).
+    """Tune one problem given by global shapes (`seq` is the whole sequence, split `axis_size` ways);
+    `v_head_dim` is v's head_dim (None: head_dim).
 
     `features` are those of `ringjax.options.TUNABLE`: the static feature keywords of `ring_attention`
     (causal, sliding_window, chunk_size, dropout_rate, num_sink_tokens, ...) and, for its arrays, bools
@@ -478,8 +480,9 @@ def tune_shapes(
     arrays = {kw.name: f"it takes no arrays; pass {flag}=True" for flag, kw in TUNABLE.items() if flag != kw.name}
     check_keywords("tune_shapes", features, TUNABLE, hints=arrays)
     kv_heads = heads if kv_heads is None else kv_heads
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     for name, value in (("batch", batch), ("seq", seq), ("heads", heads), ("kv_heads", kv_heads),
-                        ("head_dim", head_dim), ("axis_size", axis_size)):
+                        ("head_dim", head_dim), ("v_head_dim", v_head_dim), ("axis_size", axis_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if heads % kv_heads:
@@ -497,6 +500,7 @@ def tune_shapes(
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
+        v_head_dim=v_head_dim,
         dtype=str(jnp.dtype(dtype)),
         platform=registry.current_platform(),
         precision=precision.current(dtype),

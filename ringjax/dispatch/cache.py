@@ -76,6 +76,9 @@ def portable_key(op: str, implementation: str, problem) -> dict[str, Any]:
     # float32 tiles compute in TF32 or full float32 as jax's matmul precision says: different kernels,
     # different fastest configs. Other dtypes ignore it, and their keys (shipped ones too) stay as they were.
     precision = {"precision": problem.precision} if problem.dtype == "float32" else {}
+    # v with a head_dim of its own (multi-head latent attention) is another problem; keys where v's equals
+    # q's (every shipped one) stay as they were
+    v_head_dim = {} if problem.v_head_dim == problem.head_dim else {"v_head_dim": problem.v_head_dim}
     return {
         "op": op,
         "implementation": implementation,
@@ -85,6 +88,7 @@ def portable_key(op: str, implementation: str, problem) -> dict[str, Any]:
             "heads": problem.heads,
             "kv_heads": problem.kv_heads,
             "head_dim": problem.head_dim,
+            **v_head_dim,
         },
         "dtype": problem.dtype,
         **precision,

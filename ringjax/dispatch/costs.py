@@ -6,8 +6,9 @@ precision, shape, features; forward and forward+backward milliseconds) and colle
 module fits rates to them and predicts:
 
 - work: the visible (query, key) pairs of the slowest device, counted exactly from the mask rules
-  (causal, window, chunks, sink tokens, layout, ring size), times 4 * batch * heads * head_dim
-  FLOPs forward and 3.5x that forward + backward (FlashAttention's convention);
+  (causal, window, chunks, sink tokens, layout, ring size), times 2 * batch * heads * (head_dim +
+  v_head_dim) FLOPs forward (QK^T over q/k's head_dim, PV over v's) and 3.5x that forward + backward
+  (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + work / rate, the rate and
   overhead fitted to the plain rows, causal and not causal apart, the rate scaled by the measured
   head_dim nearest to the problem's and slowed by each feature's measured factor; a head_dim or
@@ -99,8 +100,10 @@ def visible_pairs(opts, seq: int) -> int:
 
 
 def forward_flops(problem: Problem) -> float:
-    """Matmul FLOPs of the busiest device's forward: 4 * batch * heads * head_dim per visible pair."""
-    return 4.0 * problem.batch * problem.heads * problem.head_dim * visible_pairs(problem.opts, problem.seq)
+    """Matmul FLOPs of the busiest device's forward: 2 * batch * heads * (head_dim + v_head_dim) per visible
+    pair (QK^T contracts q/k's head_dim, PV produces v's)."""
+    pair = 2.0 * problem.batch * problem.heads * (problem.head_dim + problem.v_head_dim)
+    return pair * visible_pairs(problem.opts, problem.seq)
 
 
 def calls(problem: Problem) -> int:
@@ -160,7 +163,7 @@ class Rates:
         """The causal line's rates (the one most calls use)."""
         return self.line(True).tflops
 
-    def seconds(self, mode: str, flops: float, calls: int, head_dim: int, features: Sequence[str],
+    def seconds(self, mode: str, flops: float, calls: int, head_dim: float, features: Sequence[str],
                 causal: bool = True) -> float:
         factor = 1.0
         for name in features:
@@ -169,7 +172,7 @@ class Rates:
         rate = line.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
         return line.overhead_s[mode] * calls + flops / rate * factor
 
-    def _head_dim_factor(self, head_dim: int, mode: str) -> float:
+    def _head_dim_factor(self, head_dim: float, mode: str) -> float:
         dims = {REFERENCE_HEAD_DIM: {m: 1.0 for m in MODES}, **self.head_dims}
         nearest = min(dims, key=lambda d: (abs(math.log2(d / head_dim)), d))
         return dims[nearest].get(mode, 1.0)
@@ -177,7 +180,7 @@ class Rates:
     def unmeasured(self, features: Sequence[str]) -> list[str]:
         return [name for name in features if name not in self.features]
 
-    def lent(self, head_dim: int, features: Sequence[str]) -> list[str]:
+    def lent(self, head_dim: float, features: Sequence[str]) -> list[str]:
         """What of (head_dim, features) this prediction prices by other implementations' factors."""
         dims = {REFERENCE_HEAD_DIM, *self.head_dims}
         nearest = min(dims, key=lambda d: (abs(math.log2(d / head_dim)), d))
@@ -248,11 +251,14 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     flops, n, feats = forward_flops(problem), calls(problem), cost_features(problem.opts)
     # the causal line where one causal kernel does the work; a ring's steps are mostly unmasked blocks
     causal = problem.opts.causal and n == 1
-    fwd = rates.seconds("fwd", flops, n, problem.head_dim, feats, causal)
-    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, problem.head_dim, feats, causal)
+    # measured at one head_dim for q, k and v: a v of another width is priced at their mean (the FLOPs'
+    # average matmul width)
+    dim = (problem.head_dim + problem.v_head_dim) / 2
+    fwd = rates.seconds("fwd", flops, n, dim, feats, causal)
+    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, dim, feats, causal)
     notes = []
-    if rates.lent(problem.head_dim, feats):
-        notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(problem.head_dim, feats)))
+    if rates.lent(dim, feats):
+        notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))
     if rates.unmeasured(feats):
         notes.append("unmeasured, priced as plain: " + ", ".join(rates.unmeasured(feats)))
     if problem.opts.has_segments:

@@ -39,11 +39,12 @@ class Report:
         masks = ", ".join((("causal",) if p.opts.causal else ()) + costs.cost_features(p.opts)) or "no mask"
         if p.opts.has_segments:
             masks += ", segments"
+        v_dim = "" if p.v_head_dim == p.head_dim else f" (v {p.v_head_dim})"
         lines = [
             f"{self.op}/{self.implementation}: {self.config_source} config {config}; strategy {self.strategy} "
             f"({self.strategy_reason})",
-            f"  per device: batch {p.batch}, seq {p.seq}, heads {p.heads}/{p.kv_heads} kv, head_dim {p.head_dim}, "
-            f"{p.dtype}{precision}, {masks}; "
+            f"  per device: batch {p.batch}, seq {p.seq}, heads {p.heads}/{p.kv_heads} kv, "
+            f"head_dim {p.head_dim}{v_dim}, {p.dtype}{precision}, {masks}; "
             f"{p.opts.axis_size} on the ring; {p.device_kind or p.platform}",
         ]
         if self.asked != "auto":

@@ -26,7 +26,9 @@ class AttentionLayerConfig:
     """Static description of a multi-head (GQA) attention layer.
 
     Shapes: x [batch, seq, in_features] -> [batch, seq, out_features], with
-    `num_heads` query heads sharing `num_kv_heads` key/value heads. The fields named as
+    `num_heads` query heads sharing `num_kv_heads` key/value heads; values may have a head_dim of
+    their own (`v_head_dim`, as multi-head latent attention's), which the output projection takes
+    (num_heads * v_head_dim inputs). The fields named as
     `ring_attention` keywords (causal, sliding_window, ...) are those keywords, with the same
     defaults (tests/test_options.py), and are checked by the same declaration.
     """
@@ -35,6 +37,7 @@ class AttentionLayerConfig:
     num_heads: int
     num_kv_heads: int | None = None  # None: num_heads (plain multi-head)
     head_dim: int | None = None  # None: in_features // num_heads
+    v_head_dim: int | None = None  # None: head_dim
     out_features: int | None = None  # None: in_features
     causal: bool = False
     sliding_window: int | tuple[int, int] | None = None
@@ -52,7 +55,7 @@ class AttentionLayerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("num_kv_heads", "head_dim", "out_features"):
+        for name in ("num_kv_heads", "head_dim", "v_head_dim", "out_features"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -92,6 +95,11 @@ class AttentionLayerConfig:
         return self.in_features // self.num_heads if self.head_dim is None else self.head_dim
 
     @property
+    def v_dim(self) -> int:
+        """v's head_dim (the output projection's per-head width)."""
+        return self.dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
     def features_out(self) -> int:
         return self.in_features if self.out_features is None else self.out_features
 
@@ -99,8 +107,8 @@ class AttentionLayerConfig:
         shapes = {
             "q": (self.in_features, self.num_heads, self.dim),
             "k": (self.in_features, self.kv_heads, self.dim),
-            "v": (self.in_features, self.kv_heads, self.dim),
-            "o": (self.num_heads, self.dim, self.features_out),
+            "v": (self.in_features, self.kv_heads, self.v_dim),
+            "o": (self.num_heads, self.v_dim, self.features_out),
         }
         if self.use_sinks:
             shapes["sinks"] = (self.num_heads,)

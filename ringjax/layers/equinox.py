@@ -23,8 +23,8 @@ class MultiHeadAttention(eqx.Module):
 
     Takes the fields of `AttentionLayerConfig` as arguments (in_features, num_heads, then by
     keyword num_kv_heads, causal, axis_name, layout, ...), or one as `config=`.
-    Fields: q_proj [in, heads, head_dim], k_proj / v_proj [in, kv_heads, head_dim],
-    o_proj [heads, head_dim, out], sinks [heads] or None (a learnable logit per head
+    Fields: q_proj [in, heads, head_dim], k_proj [in, kv_heads, head_dim], v_proj [in, kv_heads,
+    v_head_dim], o_proj [heads, v_head_dim, out], sinks [heads] or None (a learnable logit per head
     that joins every softmax denominator, present with use_sinks=True).
     """
 

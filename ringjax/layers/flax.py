@@ -29,8 +29,8 @@ class MultiHeadAttention(nnx.Module):
 
     Takes the fields of `AttentionLayerConfig` as arguments (in_features, num_heads, then by
     keyword num_kv_heads, causal, axis_name, layout, ...), or one as `config=`.
-    Parameters: q_proj [in, heads, head_dim], k_proj / v_proj [in, kv_heads, head_dim],
-    o_proj [heads, head_dim, out] and, with use_sinks, sinks [heads] (a learnable
+    Parameters: q_proj [in, heads, head_dim], k_proj [in, kv_heads, head_dim], v_proj [in, kv_heads,
+    v_head_dim], o_proj [heads, v_head_dim, out] and, with use_sinks, sinks [heads] (a learnable
     logit per head that joins every softmax denominator).
     """
 
@@ -64,6 +64,7 @@ class LinenMultiHeadAttention(nn.Module):
     num_heads: int
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    v_head_dim: int | None = None
     out_features: int | None = None
     causal: bool = False
     sliding_window: int | tuple[int, int] | None = None

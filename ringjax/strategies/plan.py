@@ -7,7 +7,8 @@ napkin math from published peak figures (sources beside each chip), scaled by an
 assumed kernel efficiency; it is not a measurement.
 
 Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
-- a full step is 4 * batch * heads * t^2 * head_dim FLOPs forward (QK^T and PV);
+- a full step is 2 * batch * heads * t^2 * (head_dim + v_head_dim) FLOPs forward (QK^T over q/k's
+  head_dim, PV over v's; v_head_dim defaults to head_dim);
   backward costs `backward_flop_factor` times that (2.5 for FlashAttention-2's five
   matmuls; ringjax's TPU kernels recompute QK^T in their dK/dV and dQ kernels: 3.5);
 - causal work per step: zigzag and striped give every device half a step at every
@@ -15,7 +16,7 @@ Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
   every step but the first, so the ring takes as long as without the mask;
 - compute time is max(FLOPs / (peak * efficiency), HBM bytes / HBM bandwidth), where
   a flash kernel re-reads K/V once per query tile of block_q rows;
-- a step sends K and V (2 * batch * t * kv_heads * head_dim * itemsize bytes) over one
+- a step sends K and V (batch * t * kv_heads * (head_dim + v_head_dim) * itemsize bytes) over one
   link in one direction; backward also sends dK and dV, which ringjax accumulates in
   float32.
 """
@@ -82,6 +83,7 @@ class Plan:
     heads: int
     kv_heads: int
     head_dim: int
+    v_head_dim: int
     dtype: str
     causal: bool
     layout: str
@@ -112,7 +114,8 @@ class Plan:
         hide = lambda ok: "hidden" if ok else "NOT hidden"  # noqa: E731
         lines = [
             f"ring attention on {self.ring_size} x {self.chip.name}: seq {self.seq_len} ({self.local_seq} per device), "
-            f"batch {self.batch}, heads {self.heads}/{self.kv_heads} kv, head_dim {self.head_dim}, {self.dtype}, "
+            f"batch {self.batch}, heads {self.heads}/{self.kv_heads} kv, head_dim {self.head_dim}"
+            + ("" if self.v_head_dim == self.head_dim else f" (v {self.v_head_dim})") + f", {self.dtype}, "
             f"{'causal' if self.causal else 'full'}, layout {self.layout}",
             f"  per step forward:  compute {ms(self.fwd_compute_s)}, K/V transfer {ms(self.fwd_transfer_s)} "
             f"({hide(self.fwd_hidden)})",
@@ -141,10 +144,12 @@ def _step_fraction(causal: bool, layout: str, step: int) -> float:
     return 0.5  # zigzag and striped balance every step
 
 
-def _vmem_bytes(rows: int, block_kv: int, head_dim: int, itemsize: int) -> int:
-    """VMEM of the forward kernel: double-buffered q, k, v and out tiles, f32 state and scores."""
-    tiles = 2 * (rows * head_dim * itemsize + 2 * block_kv * head_dim * itemsize + rows * head_dim * 4)
-    state = rows * head_dim * 4 + 2 * rows * 128 * 4  # acc, and m, l padded to 128 lanes
+def _vmem_bytes(rows: int, block_kv: int, head_dim: int, itemsize: int, v_head_dim: int | None = None) -> int:
+    """VMEM of the forward kernel: double-buffered q, k, v and out tiles, f32 state and scores (v_head_dim
+    None: head_dim)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    tiles = 2 * (rows * head_dim * itemsize + block_kv * (head_dim + v_head_dim) * itemsize + rows * v_head_dim * 4)
+    state = rows * v_head_dim * 4 + 2 * rows * 128 * 4  # acc, and m, l padded to 128 lanes
     scores = 3 * rows * block_kv * 4  # s, p and a temporary
     return tiles + state + scores
 
@@ -153,7 +158,7 @@ def _divisors(n: int, candidates) -> list[int]:
     return [c for c in candidates if c <= n and n % c == 0]
 
 
-def _blocks(chip: Chip, local_seq: int, groups: int, head_dim: int, itemsize: int, layout: str):
+def _blocks(chip: Chip, local_seq: int, groups: int, head_dim: int, v_head_dim: int, itemsize: int, layout: str):
     """Largest tiles that fit the chip's VMEM budget (TPU) or the usual Hopper tiles (GPU)."""
     unit = local_seq // chunks_per_shard(layout)
     if chip.kind == "gpu":
@@ -163,7 +168,7 @@ def _blocks(chip: Chip, local_seq: int, groups: int, head_dim: int, itemsize: in
     # the query tile holds all G heads of a KV head: many heads per KV head need short tiles
     for bq in _divisors(unit, (16, 32, 64, 128, 256, 512, 1024, 2048)) or [unit]:
         for bk in _divisors(unit, (128, 256, 512, 1024, 2048)) or [unit]:
-            if _vmem_bytes(groups * bq, bk, head_dim, itemsize) > chip.vmem_budget:
+            if _vmem_bytes(groups * bq, bk, head_dim, itemsize, v_head_dim) > chip.vmem_budget:
                 continue
             key = (min(groups * bq, 2048) * bk, bq)  # large tiles, then more query rows
             if best is None or key > best[0]:
@@ -187,8 +192,10 @@ def plan(
     batch: int = 1,
     efficiency: float = DEFAULT_EFFICIENCY,
     backward_flop_factor: float = 2.5,
+    v_head_dim: int | None = None,
 ) -> Plan:
-    """Predict one ring attention call on `ring_size` chips; `layout=None` uses the recommended one.
+    """Predict one ring attention call on `ring_size` chips; `layout=None` uses the recommended one;
+    `v_head_dim` is v's head_dim (None: head_dim).
 
     `chip` is a key of CHIPS ("tpu_v4", "tpu_v5e", "tpu_v5p", "tpu_v6e", "h100", "h200") or a Chip.
     """
@@ -203,6 +210,8 @@ def plan(
         _check_int(name, value)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    _check_int("v_head_dim", v_head_dim)
     if dtype not in _ITEMSIZE:
         raise ValueError(f"dtype must be one of {sorted(_ITEMSIZE)} (the model uses bf16 peak rates), got {dtype!r}")
     if dtype == "float16" and chip.kind == "tpu":
@@ -224,15 +233,16 @@ def plan(
     t = seq_len // ring_size
     itemsize = _ITEMSIZE[dtype]
     groups = heads // kv_heads
-    block_q, block_kv = _blocks(chip, t, groups, head_dim, itemsize, layout)
-    full_step = 4.0 * batch * heads * t * t * head_dim
+    block_q, block_kv = _blocks(chip, t, groups, head_dim, v_head_dim, itemsize, layout)
+    width = head_dim + v_head_dim
+    full_step = 2.0 * batch * heads * t * t * width
     rate = chip.peak_flops * efficiency
-    kv_bytes = 2.0 * batch * t * kv_heads * head_dim * itemsize
-    q_bytes = batch * t * heads * head_dim * itemsize
+    kv_bytes = 1.0 * batch * t * kv_heads * width * itemsize
+    qo_bytes = batch * t * heads * width * itemsize  # q in, out back
 
     def compute_s(fraction, factor, reads):
         flops = full_step * fraction * factor
-        hbm = (reads * kv_bytes * math.ceil(t / block_q) + 2 * q_bytes) * fraction
+        hbm = (reads * kv_bytes * math.ceil(t / block_q) + qo_bytes) * fraction
         return max(flops / rate, hbm / chip.hbm_bandwidth)
 
     # the slowest device's step (a non-first step); the first step is cheaper under contiguous causal
@@ -255,7 +265,8 @@ def plan(
     home = kv_bytes * 4 / itemsize / chip.link_bandwidth if ring_size > 1 else 0.0
     bwd_total = ring_total(bwd_transfer, backward_flop_factor, 2) + home
 
-    # forward hides when 4*B*H*t^2*D*f/rate >= 2*B*t*KVH*D*s/link, i.e. t >= KVH*s*rate / (2*H*f*link)
+    # forward hides when 2*B*H*t^2*W*f/rate >= B*t*KVH*W*s/link (W = head_dim + v_head_dim),
+    # i.e. t >= KVH*s*rate / (2*H*f*link)
     min_t = kv_heads * itemsize * rate / (2.0 * heads * fraction * chip.link_bandwidth)
 
     notes = []
@@ -270,7 +281,7 @@ def plan(
                      "(52-65 GB/s on 4 H200, shared/anchors.md)")
     return Plan(
         chip=chip, ring_size=ring_size, seq_len=seq_len, local_seq=t, batch=batch, heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, causal=causal, layout=layout,
+        kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, causal=causal, layout=layout,
         efficiency=efficiency, block_q=block_q, block_kv=block_kv, step_flops=full_step * fraction,
         fwd_compute_s=fwd_compute, fwd_transfer_s=fwd_transfer, bwd_compute_s=bwd_compute,
         bwd_transfer_s=bwd_transfer, fwd_total_s=fwd_total, bwd_total_s=bwd_total,
@@ -316,10 +327,11 @@ def _collective_s(chip: Chip, kind: str, bytes_in: float, n: int) -> float:
     return max(bytes_in / (2 * chip.link_bandwidth), bytes_in * n / (n - 1) * n / (8 * chip.link_bandwidth))
 
 
-def _flash_s(chip: Chip, rate: float, flops: float, q_bytes: float, kv_bytes: float, q_tokens: int, block_q: int,
+def _flash_s(chip: Chip, rate: float, flops: float, qo_bytes: float, kv_bytes: float, q_tokens: int, block_q: int,
              reads: int, fraction: float) -> float:
-    """One flash-attention call: FLOPs at `rate` or HBM traffic (K/V re-read per query tile), whichever is slower."""
-    hbm = (reads * kv_bytes * math.ceil(q_tokens / block_q) + 2 * q_bytes) * fraction
+    """One flash-attention call: FLOPs at `rate` or HBM traffic (K/V re-read per query tile, q read and out
+    written once: `qo_bytes`), whichever is slower."""
+    hbm = (reads * kv_bytes * math.ceil(q_tokens / block_q) + qo_bytes) * fraction
     return max(flops / rate, hbm / chip.hbm_bandwidth)
 
 
@@ -336,7 +348,7 @@ def strategy_costs(
     """Predict ring, all_gather and ulysses over `devices` chips (and hybrid, given (head, ring) sizes).
 
     The other keywords (seq_len, heads, kv_heads, head_dim, dtype, causal, batch, efficiency,
-    backward_flop_factor) are `plan`'s, with its defaults; `plan` checks them.
+    backward_flop_factor, v_head_dim) are `plan`'s, with its defaults; `plan` checks them.
 
     Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
     - ring: `plan` (per-step compute against the K/V transfer it hides), plus the lse merge of
@@ -365,17 +377,20 @@ def strategy_costs(
     seq_len, heads, kv_heads, head_dim, dtype, causal, batch, efficiency, backward_flop_factor = (
         workload[name] for name in ("seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "batch",
                                     "efficiency", "backward_flop_factor"))
+    v_head_dim = ring.v_head_dim
+    width = head_dim + v_head_dim
     n, t, s = devices, seq_len // devices, _ITEMSIZE[dtype]
     rate = chip.peak_flops * efficiency
     budget = memory_fraction * chip.hbm_bytes if chip.hbm_bytes else math.inf
     q_loc = batch * t * heads * head_dim * s
-    kv_loc = 2.0 * batch * t * kv_heads * head_dim * s
+    o_loc = batch * t * heads * v_head_dim * s  # out, dout
+    kv_loc = 1.0 * batch * t * kv_heads * width * s
     half = 0.5 if causal else 1.0
     f32 = 4.0 / s
     costs = []
 
     # ring: plan's steps, plus merging each later step's float32 partial output (read two, write one)
-    merges = (n - 1) * 3 * batch * t * heads * head_dim * 4 / chip.hbm_bandwidth
+    merges = (n - 1) * 3 * batch * t * heads * v_head_dim * 4 / chip.hbm_bandwidth
     costs.append(_cost("ring", ring.fwd_total_s + merges, ring.bwd_total_s + merges, _ring_exposed(ring, kv_loc * f32),
                        2 * kv_loc * (1 + f32), budget, ""))
 
@@ -386,9 +401,10 @@ def strategy_costs(
         frac = (n - 0.5) / n
     else:
         frac = 0.5
-    flops = 4.0 * batch * heads * t * seq_len * head_dim * frac
-    compute = _flash_s(chip, rate, flops, q_loc, n * kv_loc, t, ring.block_q, 1, frac)
-    compute_bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_loc, n * kv_loc, t, ring.block_q, 2, frac)
+    flops = 2.0 * batch * heads * t * seq_len * width * frac
+    compute = _flash_s(chip, rate, flops, q_loc + o_loc, n * kv_loc, t, ring.block_q, 1, frac)
+    compute_bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_loc + o_loc, n * kv_loc, t, ring.block_q, 2,
+                           frac)
     gather = _collective_s(chip, "gather", (n - 1) * kv_loc, n)
     scatter = _collective_s(chip, "gather", (n - 1) * kv_loc * f32, n)
     costs.append(_cost("all_gather", gather + compute, gather + compute_bwd + scatter, 2 * gather + scatter,
@@ -402,20 +418,20 @@ def strategy_costs(
         kv_rep = kv_loc * math.lcm(kv_heads, h) / kv_heads
         share = (h - 1) / h
         a2a_in = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
-        a2a_out = _collective_s(chip, "a2a", share * (q_loc + batch * heads * t * 4), h)
-        a2a_dout = _collective_s(chip, "a2a", share * q_loc, h)
+        a2a_out = _collective_s(chip, "a2a", share * (o_loc + batch * heads * t * 4), h)
+        a2a_dout = _collective_s(chip, "a2a", share * o_loc, h)
         a2a_grads = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
         fwd, bwd, comm, memory = inner(heads // h, math.lcm(kv_heads, h) // h, kv_rep)
-        copies = 3 * q_loc + kv_rep + (q_loc + kv_rep) * f32  # q, out, dout, k, v; f32 dq, dk, dv
+        copies = q_loc + 2 * o_loc + kv_rep + (q_loc + kv_rep) * f32  # q, out, dout, k, v; f32 dq, dk, dv
         note = f"K/V heads repeated {math.lcm(kv_heads, h) // kv_heads}x" if kv_heads % h else ""
         return _cost(name, a2a_in + fwd + a2a_out, a2a_dout + bwd + a2a_grads,
                      a2a_in + a2a_out + a2a_dout + a2a_grads + comm, copies + memory, budget, note)
 
     def whole_sequence(h_loc, kvh_loc, kv_rep):
-        flops = 4.0 * batch * h_loc * seq_len * seq_len * head_dim * half
-        q_bytes = batch * seq_len * h_loc * head_dim * s
-        fwd = _flash_s(chip, rate, flops, q_bytes, kv_rep, seq_len, ring.block_q, 1, half)
-        bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_bytes, kv_rep, seq_len, ring.block_q, 2, half)
+        flops = 2.0 * batch * h_loc * seq_len * seq_len * width * half
+        qo_bytes = batch * seq_len * h_loc * width * s
+        fwd = _flash_s(chip, rate, flops, qo_bytes, kv_rep, seq_len, ring.block_q, 1, half)
+        bwd = _flash_s(chip, rate, flops * backward_flop_factor, qo_bytes, kv_rep, seq_len, ring.block_q, 2, half)
         return fwd, bwd, 0.0, 0.0
 
     costs.append(ulysses("ulysses", n, whole_sequence))
@@ -427,9 +443,9 @@ def strategy_costs(
             # the head-major split leaves each ring device h blocks spread over the sequence: causal
             # work is close to balanced, as with striped
             p = plan(chip, ring_size=r, seq_len=seq_len, heads=h_loc, kv_heads=kvh_loc, head_dim=head_dim,
-                     dtype=dtype, causal=causal, layout=layout if h == 1 else "striped", batch=batch,
-                     efficiency=efficiency, backward_flop_factor=backward_flop_factor)
-            merge = (r - 1) * 3 * batch * seq_len // r * h_loc * head_dim * 4 / chip.hbm_bandwidth
+                     v_head_dim=v_head_dim, dtype=dtype, causal=causal, layout=layout if h == 1 else "striped",
+                     batch=batch, efficiency=efficiency, backward_flop_factor=backward_flop_factor)
+            merge = (r - 1) * 3 * batch * seq_len // r * h_loc * v_head_dim * 4 / chip.hbm_bandwidth
             return p.fwd_total_s + merge, p.bwd_total_s + merge, _ring_exposed(p, kv_rep * f32), 2 * kv_rep * (1 + f32)
 
         costs.append(ulysses("hybrid", h, inner_ring))

@@ -65,7 +65,8 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
     f32 = 4.0 / s
     n = strategy.num_shards
     q_loc = base.batch * base.seq * base.heads * base.head_dim * s
-    kv_loc = 2.0 * base.batch * base.seq * base.kv_heads * base.head_dim * s
+    o_loc = base.batch * base.seq * base.heads * base.v_head_dim * s  # out, dout
+    kv_loc = 1.0 * base.batch * base.seq * base.kv_heads * (base.head_dim + base.v_head_dim) * s
     if strategy.name == "ring":
         shift = _collective(calibration, "ppermute", notes)
         steps = costs.calls(problem)
@@ -80,8 +81,9 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
     # ulysses: every array an all-to-all of its own
     a2a = _collective(calibration, "all_to_all", notes)
     share = (n - 1) / n
-    kv_rep = kv_loc * math.lcm(base.kv_heads, n) / base.kv_heads
+    repeat = math.lcm(base.kv_heads, n) / base.kv_heads
+    k_rep, v_rep = (base.batch * base.seq * base.kv_heads * d * s * repeat for d in base.head_dims)
     lse = base.batch * base.heads * base.seq * 4.0
-    fwd = sum(a2a.seconds(share * b) for b in (q_loc, kv_rep / 2, kv_rep / 2, q_loc, lse))
-    bwd = sum(a2a.seconds(share * b) for b in (q_loc, lse, q_loc, kv_rep / 2, kv_rep / 2))
-    return fwd, bwd, 3 * q_loc + kv_rep + (q_loc + kv_rep) * f32
+    fwd = sum(a2a.seconds(share * b) for b in (q_loc, k_rep, v_rep, o_loc, lse))  # q, k, v in; out, lse back
+    bwd = sum(a2a.seconds(share * b) for b in (o_loc, lse, q_loc, k_rep, v_rep))  # dout, dlse in; dq, dk, dv back
+    return fwd, bwd, q_loc + 2 * o_loc + k_rep + v_rep + (q_loc + k_rep + v_rep) * f32

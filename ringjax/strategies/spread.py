@@ -206,8 +206,9 @@ def _decide(base, axis_name, sizes, implementation, op, chip):
     if base.dtype not in ("bfloat16", "float16") or (base.dtype == "float16" and chip.kind == "tpu"):
         return ring, f"the cost model has no {base.dtype} rates for {chip.name}: the default, ring", runnable
     chip_costs = plan.strategy_costs(chip, devices=n, seq_len=base.seq * n, heads=base.heads,
-                                     kv_heads=base.kv_heads, head_dim=base.head_dim, dtype=base.dtype,
-                                     causal=base.opts.causal, layout=base.opts.layout, batch=base.batch)
+                                     kv_heads=base.kv_heads, head_dim=base.head_dim, v_head_dim=base.v_head_dim,
+                                     dtype=base.dtype, causal=base.opts.causal, layout=base.opts.layout,
+                                     batch=base.batch)
     return _best(chip_costs, runnable, refused, axis_name, sizes, f"cost model on {n} x {chip.name}")
 
 

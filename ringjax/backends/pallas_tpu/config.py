@@ -60,32 +60,38 @@ def block_size(length: int, want: int, opts: AttentionOptions, align: int) -> in
             or length)
 
 
-def vmem_bytes(config: TpuConfig, groups: int, head_dim: int, dtype: str) -> int:
+def vmem_bytes(config: TpuConfig, groups: int, head_dim: int, dtype: str, v_head_dim: int | None = None) -> int:
     """A conservative estimate of the VMEM of the largest kernel of `config`, bytes (upper-bound blocks).
 
-    With rows = groups * block_q query rows per tile, bk = block_kv, d = head_dim, s = itemsize,
-    and [n, 1] columns padded to 128 lanes: Pallas double-buffers every block it pipelines;
-    the f32 score-sized temporaries (s, p, dp, dS) are rows * bk * 4 bytes each.
-      forward:  2 * (rows*d*s + 2*bk*d*s + rows*d*4 + rows*128*4)  (q, k, v, out, lse)
-                + 3 * rows*d*4 + 4 * rows*128*4  (acc, m, l: scratch, and their fused-ring copies)
+    With rows = groups * block_q query rows per tile, bk = block_kv, d = head_dim (q, k), dv = v_head_dim
+    (v, out, dO; None: d), w = d + dv, s = itemsize, and [n, 1] columns padded to 128 lanes: Pallas
+    double-buffers every block it pipelines; the f32 score-sized temporaries (s, p, dp, dS) are
+    rows * bk * 4 bytes each. The fused ring pads both head_dims to the wider one (see fused_ring).
+      forward:  2 * (rows*d*s + bk*w*s + rows*dv*4 + rows*128*4)  (q, k, v, out, lse)
+                + 3 * rows*dv*4 + 4 * rows*128*4  (acc, m, l: scratch, and their fused-ring copies)
                 + 3 * rows*bk*4
-      backward: 2 * (2*rows*d*s + 2*rows*128*4 + 2*bk*d*s + 2*max(bk, rows)*d*4)  (q, dO, lse, delta,
+      backward: 2 * (rows*w*s + 2*rows*128*4 + bk*w*s + max(bk, rows)*w*4)  (q, dO, lse, delta,
                 k, v, and dK, dV or dQ) + 4 * rows*bk*4
     """
     rows, bk, d = groups * config.block_q, config.block_kv, head_dim
+    dv = d if v_head_dim is None else v_head_dim
+    if config.fused:
+        d = dv = max(d, dv)
+    w = d + dv
     s = 2 if dtype == "bfloat16" else 4
     column = rows * 128 * 4
-    forward = 2 * (rows * d * s + 2 * bk * d * s + rows * d * 4 + column) + 3 * rows * d * 4 + 4 * column
+    forward = 2 * (rows * d * s + bk * w * s + rows * dv * 4 + column) + 3 * rows * dv * 4 + 4 * column
     forward += 3 * rows * bk * 4
-    backward = 2 * (2 * rows * d * s + 2 * column + 2 * bk * d * s + 2 * max(bk, rows) * d * 4) + 4 * rows * bk * 4
+    backward = 2 * (rows * w * s + 2 * column + bk * w * s + max(bk, rows) * w * 4) + 4 * rows * bk * 4
     return max(forward, backward)
 
 
-def fit(config: TpuConfig, groups: int, head_dim: int, dtype: str, budget: int = VMEM_BUDGET) -> TpuConfig | None:
+def fit(config: TpuConfig, groups: int, head_dim: int, dtype: str, budget: int = VMEM_BUDGET,
+        v_head_dim: int | None = None) -> TpuConfig | None:
     """`config` with key blocks (down to 128) and then query blocks halved until its kernels fit
     `budget` bytes of VMEM (unchanged if they fit), or None if even the smallest do not."""
     align = sublanes(dtype)
-    while vmem_bytes(config, groups, head_dim, dtype) > budget:
+    while vmem_bytes(config, groups, head_dim, dtype, v_head_dim) > budget:
         if config.block_kv > 128:
             config = dataclasses.replace(config, block_kv=config.block_kv // 2)
         elif config.block_q > align:
@@ -104,7 +110,7 @@ def refusal(problem) -> str | None:
     if seq % align:
         return f"local sequence length {seq} must be a multiple of {align} for {dtype} (TPU sublane tiling)"
     smallest = TpuConfig(block_q=align, block_kv=align)
-    if fit(smallest, problem.gqa_ratio, head_dim, dtype) is None:
-        need = vmem_bytes(smallest, problem.gqa_ratio, head_dim, dtype)
+    if fit(smallest, problem.gqa_ratio, head_dim, dtype, v_head_dim=problem.v_head_dim) is None:
+        need = vmem_bytes(smallest, problem.gqa_ratio, head_dim, dtype, problem.v_head_dim)
         return f"even the smallest tiles need about {need} bytes of VMEM, more than the {VMEM_BUDGET} a kernel gets"
     return None

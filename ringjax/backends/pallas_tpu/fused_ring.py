@@ -25,6 +25,11 @@ device waits for the partial sum the left neighbour sent, adds, and sends the su
 (the DMA runs beside the next step's compute), with its own handshake on a second
 double buffer. dQ accumulates locally. One ppermute after the kernel sends each
 finished dK/dV home.
+
+K and V share one buffer, so they travel with one head_dim: where v's differs from q's and k's, q, k,
+v (and dO) are padded with zero columns to the wider one and the results cut back. That is exact (zero
+columns add nothing to Q K^T, dO V^T or the products that use them) at the price of the padded work
+and K/V bytes; the per-step kernels take the two head_dims as they are.
 """
 
 from __future__ import annotations
@@ -350,7 +355,7 @@ def _prologue(q, k, v, q_seg, kv_seg, opts: AttentionOptions, config: TpuConfig)
     """What both fused kernels take: tiling, ring plan, SMEM scalars, HBM mask tiles, the first K/V."""
     block.assume_tpu_tiling()  # the inner pipelines ask for the TPU's tiling while tracing
     n = opts.axis_size
-    tl = block.tiling(q, k, opts, config)
+    tl = block.tiling(q, k, v, opts, config)
     plan = ring_plan(opts, tl.q_len)
     shard = shard_index(opts)
     kv0 = shift(jnp.stack([block.kv_major(k), block.kv_major(v)]), opts, -plan.offset)
@@ -387,8 +392,17 @@ def _call(kernel, name: str, tl: Tiling, plan, opts: AttentionOptions, config: T
     )(*operands)
 
 
+def _widened(*xs):
+    """xs [..., head_dim] padded with zero columns to the widest head_dim among them."""
+    width = max(x.shape[-1] for x in xs)
+    return [jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])]) for x in xs]
+
+
 def fused_forward(q, k, v, q_seg, kv_seg, opts: AttentionOptions, config: TpuConfig):
-    """The whole forward ring in one kernel: (out f32 [B,T,H,D], lse f32 [B,H,T]) before sinks."""
+    """The whole forward ring in one kernel: (out f32 [B,T,H,Dv], lse f32 [B,H,T]) before sinks."""
+    if q.shape[-1] != v.shape[-1]:  # one K/V buffer: one head_dim (see the module docstring)
+        out, lse = fused_forward(*_widened(q, k, v), q_seg, kv_seg, opts, config)
+        return out[..., :v.shape[-1]], lse
     _, pltpu = block._pallas()
     tl, plan, scalars, tiles, kv0 = _prologue(q, k, v, q_seg, kv_seg, opts, config)
     b, kvh, g, t, d = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim
@@ -411,6 +425,9 @@ def fused_backward(q, k, v, dout, lse, delta, q_seg, kv_seg, opts: AttentionOpti
     dK/dV of the last shard each device holds are complete when the kernel ends; one
     ppermute sends them home (nothing is left to overlap that transfer with).
     """
+    if q.shape[-1] != v.shape[-1]:  # one K/V buffer: one head_dim (see the module docstring)
+        dq, dk, dv = fused_backward(*_widened(q, k, v, dout), lse, delta, q_seg, kv_seg, opts, config)
+        return dq[..., :q.shape[-1]], dk[..., :k.shape[-1]], dv[..., :v.shape[-1]]
     _, pltpu = block._pallas()
     tl, plan, scalars, tiles, kv0 = _prologue(q, k, v, q_seg, kv_seg, opts, config)
     ins = block.backward_operands(tl, q, dout, lse, delta, q_first=None).add("kv0", kv0).add_group("tiles", tiles, ())

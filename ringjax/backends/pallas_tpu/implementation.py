@@ -125,7 +125,7 @@ class TpuImplementation:
         # about 1024 query rows (all heads of one KV head) per tile keeps the score tile in VMEM
         block_q = max(sublanes(problem.dtype), 1024 // problem.gqa_ratio)
         config = TpuConfig(block_q=block_q, block_kv=512, interpret=self.interpret)
-        fitted = fit(config, problem.gqa_ratio, problem.head_dim, problem.dtype)
+        fitted = fit(config, problem.gqa_ratio, problem.head_dim, problem.dtype, v_head_dim=problem.v_head_dim)
         assert fitted is not None, "supports() refuses problems whose smallest tiles do not fit"
         return fitted
 
@@ -142,14 +142,15 @@ class TpuImplementation:
             for fused in (False, True)
             if bq * problem.gqa_ratio <= 4096
         )
-        return [c for c in configs if vmem_bytes(c, problem.gqa_ratio, problem.head_dim, problem.dtype) <= VMEM_BUDGET]
+        return [c for c in configs
+                if vmem_bytes(c, problem.gqa_ratio, problem.head_dim, problem.dtype, problem.v_head_dim) <= VMEM_BUDGET]
 
     def run(self, problem: Problem, config: TpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         check_interpret(self.name, self.interpret, config)
         align = sublanes(problem.dtype)
         used = dataclasses.replace(config, block_q=block_size(problem.seq, config.block_q, problem.opts, align),
                                    block_kv=block_size(problem.seq, config.block_kv, problem.opts, align))
-        need = vmem_bytes(used, problem.gqa_ratio, problem.head_dim, problem.dtype)
+        need = vmem_bytes(used, problem.gqa_ratio, problem.head_dim, problem.dtype, problem.v_head_dim)
         if need > VMEM_BUDGET:
             raise ValueError(f"{self.name}: {config} needs about {need} bytes of VMEM with blocks {used.block_q} x "
                              f"{used.block_kv}, more than the {VMEM_BUDGET} a kernel gets; use smaller blocks or "

@@ -4,7 +4,7 @@ Tiles, per (batch, KV head):
 - a query tile holds all G = heads // kv_heads query heads of one KV head for bq
   tokens, [G, bq, D] in HBM and [G * bq, D] in the kernel, so K/V are read once
   per G query heads and never repeated (GQA);
-- K/V tiles are [bk, D];
+- K/V tiles are [bk, D] and [bk, Dv] (v's head_dim may differ from q's and k's; out and dO have Dv);
 - positions and segment ids come as a [bq, 1] column and a [1, bk] row, and block
   ranges (min/max of positions and segment ids) as scalars in SMEM, so the mask
   rules are `masks.visible_pairs` on tiles and `masks.maybe_visible` on ranges.
@@ -89,11 +89,11 @@ def _dot(a, b, dims, prec):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=prec)
 
 
-def tiling(q, k, opts: AttentionOptions, config: TpuConfig) -> Tiling:
+def tiling(q, k, v, opts: AttentionOptions, config: TpuConfig) -> Tiling:
     align = sublanes(jnp.dtype(q.dtype).name)
     bq = block_size(q.shape[1], config.block_q, opts, align)
     bk = block_size(k.shape[1], config.block_kv, opts, align)
-    return Tiling.of(q, k, bq, bk, opts.has_segments)
+    return Tiling.of(q, k, v, bq, bk, opts.has_segments)
 
 
 # ---------------------------------------------------------------- layout changes (XLA side)
@@ -269,7 +269,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     alpha = jnp.exp(m_prev - m_safe)
     l_ref[...] = (alpha * l_ref[...].reshape(tl.rows, 1) + p.sum(axis=1, keepdims=True)).reshape(l_ref.shape)
     m_ref[...] = m_new.reshape(m_ref.shape)
-    acc = alpha * acc_ref[...].reshape(tl.rows, tl.head_dim) + _dot(p.astype(v.dtype), v, _NN, prec)
+    acc = alpha * acc_ref[...].reshape(tl.rows, tl.v_head_dim) + _dot(p.astype(v.dtype), v, _NN, prec)
     acc_ref[...] = acc.reshape(acc_ref.shape)
 
 
@@ -295,19 +295,21 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
 
 
 def _launch(kernel, name: str, tl: Tiling, opts: AttentionOptions, config: TpuConfig, meta: Meta, ins: Operands,
-            outs: Operands, *, q_first: bool, matmuls: int, scratch: Operands | None = None):
+            outs: Operands, *, q_first: bool, contracted: int, scratch: Operands | None = None):
     """One pallas_call over grid (B, KVH, nq, nk) if `q_first` else (B, KVH, nk, nq), the last axis
-    sequential; `meta.scalars` are prefetched to SMEM, `outs` holds (shape, dtype) pairs."""
+    sequential; `meta.scalars` are prefetched to SMEM, `outs` holds (shape, dtype) pairs. `contracted`: the
+    head_dims the kernel's tile matmuls contract or produce, summed (its FLOPs per score, halved)."""
     pl, pltpu = _pallas()
     scratch = scratch or Operands()
     operands = _compat.align_vma(*meta.scalars, *ins.arrays)
     layout = (("scalars", len(meta.scalars)),) + ins.layout + outs.layout + scratch.layout
     tiles = (tl.num_q, tl.num_kv) if q_first else (tl.num_kv, tl.num_q)
     itemsize = jnp.dtype(ins.arrays[0].dtype).itemsize
-    q_bytes, kv_bytes = tl.batch * tl.q_len * tl.heads * tl.head_dim, tl.batch * tl.kv_len * tl.kv_heads * tl.head_dim
-    cost = pl.CostEstimate(flops=int(2 * matmuls * tl.batch * tl.heads * tl.q_len * tl.kv_len * tl.head_dim),
+    width = tl.head_dim + tl.v_head_dim
+    q_bytes, kv_bytes = tl.batch * tl.q_len * tl.heads * width, tl.batch * tl.kv_len * tl.kv_heads * width
+    cost = pl.CostEstimate(flops=int(2 * contracted * tl.batch * tl.heads * tl.q_len * tl.kv_len),
                            transcendentals=int(tl.batch * tl.heads * tl.q_len * tl.kv_len),
-                           bytes_accessed=int((q_bytes * 2 + kv_bytes * 2 * 2) * itemsize))
+                           bytes_accessed=int((q_bytes + kv_bytes * 2) * itemsize))
     return pl.pallas_call(
         functools.partial(kernel, layout=layout, opts=opts, tl=tl),
         out_shape=[_compat.struct_like(shape, dtype, *operands) for shape, dtype in outs.arrays],
@@ -325,27 +327,27 @@ def _launch(kernel, name: str, tl: Tiling, opts: AttentionOptions, config: TpuCo
     )(*operands)
 
 
-def _k_spec(tl: Tiling, q_first: bool):
-    """[bk, D] tiles of a [B, KVH, S, D] array (K, V, dK, dV)."""
+def _k_spec(tl: Tiling, q_first: bool, width: int):
+    """[bk, width] tiles of a [B, KVH, S, width] array (K, V, dK, dV)."""
     pl, _ = _pallas()
-    return pl.BlockSpec((None, None, tl.block_kv, tl.head_dim), grid_order(q_first)(lambda b, h, i, j: (b, h, j, 0)))
+    return pl.BlockSpec((None, None, tl.block_kv, width), grid_order(q_first)(lambda b, h, i, j: (b, h, j, 0)))
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: TpuConfig):
-    """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T])."""
+    """One ring step forward: (out f32 [B,T,H,Dv], lse f32 [B,H,T])."""
     _, pltpu = _pallas()
-    tl = tiling(q, k, opts, config)
+    tl = tiling(q, k, v, opts, config)
     meta = token_meta(q_info, [k_info], tl)
-    b, kvh, g, t, d = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim
+    b, kvh, g, t, d, dv = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim, tl.v_head_dim
     ins = (Operands().add("q", heads_major(q, kvh), q_spec(tl, d, True))
-           .add("k", kv_major(k), _k_spec(tl, True)).add("v", kv_major(v), _k_spec(tl, True))
+           .add("k", kv_major(k), _k_spec(tl, True, d)).add("v", kv_major(v), _k_spec(tl, True, dv))
            .add_group("tiles", meta.tiles, meta_specs(tl, True)))
-    outs = (Operands().add("out", ((b, kvh, g, t, d), jnp.float32), q_spec(tl, d, True))
+    outs = (Operands().add("out", ((b, kvh, g, t, dv), jnp.float32), q_spec(tl, dv, True))
             .add("lse", ((b, kvh, g, t, 1), jnp.float32), q_spec(tl, 1, True)))
     scratch = (Operands().add("m", pltpu.VMEM((tl.rows, 1), jnp.float32))
-               .add("l", pltpu.VMEM((tl.rows, 1), jnp.float32)).add("acc", pltpu.VMEM((tl.rows, d), jnp.float32)))
-    out, lse = _launch(_fwd_kernel, "ringjax_tpu_fwd", tl, opts, config, meta, ins, outs, q_first=True, matmuls=2,
-                       scratch=scratch)
+               .add("l", pltpu.VMEM((tl.rows, 1), jnp.float32)).add("acc", pltpu.VMEM((tl.rows, dv), jnp.float32)))
+    out, lse = _launch(_fwd_kernel, "ringjax_tpu_fwd", tl, opts, config, meta, ins, outs, q_first=True,
+                       contracted=d + dv, scratch=scratch)
     return tokens_major(out), lse.reshape(b, tl.heads, t)
 
 
@@ -364,9 +366,9 @@ def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec):
 
 def _load_rows(r, tl: Tiling):
     """q, k, v, dO, lse, delta of the current tile pair from refs named so, queries as [G * bq, .] rows."""
-    rows, d = tl.rows, tl.head_dim
-    return (r.q[...].reshape(rows, d), r.k[...], r.v[...], r.do[...].reshape(rows, d), r.lse[...].reshape(rows, 1),
-            r.delta[...].reshape(rows, 1))
+    rows = tl.rows
+    return (r.q[...].reshape(rows, tl.head_dim), r.k[...], r.v[...], r.do[...].reshape(rows, tl.v_head_dim),
+            r.lse[...].reshape(rows, 1), r.delta[...].reshape(rows, 1))
 
 
 def grad_step(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling, *, dq=None, dk=None, dv=None):
@@ -407,12 +409,13 @@ def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> 
 
     Rows that see no key have lse -inf: they are shifted by 0 instead, every P of theirs is masked to 0.
     """
-    kvh, d = tl.kv_heads, tl.head_dim
+    kvh = tl.kv_heads
 
     def spec(last):
         return None if q_first is None else q_spec(tl, last, q_first)
 
-    return (Operands().add("q", heads_major(q, kvh), spec(d)).add("do", heads_major(dout, kvh), spec(d))
+    return (Operands().add("q", heads_major(q, kvh), spec(tl.head_dim))
+            .add("do", heads_major(dout, kvh), spec(tl.v_head_dim))
             .add("lse", rows_major(finite_or_zero(lse).astype(jnp.float32), kvh), spec(1))
             .add("delta", rows_major(delta.astype(jnp.float32), kvh), spec(1)))
 
@@ -420,22 +423,24 @@ def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: TpuConfig):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
-    tl = tiling(q, k, opts, config)
+    tl = tiling(q, k, v, opts, config)
     meta = token_meta(q_info, [k_info], tl)
-    kv_grads = ((tl.batch, tl.kv_heads, tl.kv_len, tl.head_dim), jnp.float32)
+    d, d_v = tl.head_dim, tl.v_head_dim
 
     def operands(q_first: bool) -> Operands:
         ins = backward_operands(tl, q, dout, lse, delta, q_first)
-        ins.add("k", kv_major(k), _k_spec(tl, q_first)).add("v", kv_major(v), _k_spec(tl, q_first))
+        ins.add("k", kv_major(k), _k_spec(tl, q_first, d)).add("v", kv_major(v), _k_spec(tl, q_first, d_v))
         return ins.add_group("tiles", meta.tiles, meta_specs(tl, q_first))
 
-    # dK, dV: kv tiles outer, q tiles inner
-    outs = Operands().add("dk", kv_grads, _k_spec(tl, False)).add("dv", kv_grads, _k_spec(tl, False))
+    # dK, dV: kv tiles outer, q tiles inner; S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q
+    outs = Operands()
+    for name, width in (("dk", d), ("dv", d_v)):
+        outs.add(name, ((tl.batch, tl.kv_heads, tl.kv_len, width), jnp.float32), _k_spec(tl, False, width))
     dk, dv = _launch(_grad_kernel, "ringjax_tpu_bwd_dkv", tl, opts, config, meta, operands(False), outs,
-                     q_first=False, matmuls=3)
-    # dQ: q tiles outer, kv tiles inner
-    dq_shape = ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim), jnp.float32)
-    outs = Operands().add("dq", dq_shape, q_spec(tl, tl.head_dim, True))
+                     q_first=False, contracted=2 * d + 2 * d_v)
+    # dQ: q tiles outer, kv tiles inner; S, dP, dQ += dS K
+    dq_shape = ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, d), jnp.float32)
+    outs = Operands().add("dq", dq_shape, q_spec(tl, d, True))
     (dq,) = _launch(_grad_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs, q_first=True,
-                    matmuls=2)
+                    contracted=2 * d + d_v)
     return tokens_major(dq), kv_major(dk), kv_major(dv)

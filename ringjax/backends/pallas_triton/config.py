@@ -90,31 +90,35 @@ def device_capability(platform: str) -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-def shared_memory_bytes(config: GpuConfig, head_dim: int, itemsize: int) -> dict[str, int]:
+def shared_memory_bytes(config: GpuConfig, head_dim: int, itemsize: int, v_head_dim: int | None = None
+                        ) -> dict[str, int]:
     """A conservative estimate of each kernel's shared memory, bytes.
 
     Triton keeps every tile that a loop loads in `num_stages` buffers (the software pipeline)
     and each tile loaded once before the loop in one; dots read both operands from shared
-    memory, and reductions take a little scratch (1 KiB here). With s = itemsize, d = head_dim:
-      forward:  stages * 2 * block_kv * d * s  (K, V)  + block_q * d * s  (Q)            + 1024
-      dQ:       stages * 2 * block_kv * d * s  (K, V)  + 2 * block_q * d * s  (Q, dO)    + 1024
-      dK/dV:    stages * (2 * block_q * d * s + 2 * block_q * 4)  (Q, dO, lse, delta)
-                + 2 * block_kv * d * s  (K, V)                                          + 1024
+    memory, and reductions take a little scratch (1 KiB here). With s = itemsize, d = head_dim
+    (of Q and K), dv = v_head_dim (of V and dO; None: d) and w = d + dv:
+      forward:  stages * block_kv * w * s  (K, V)  + block_q * d * s  (Q)                + 1024
+      dQ:       stages * block_kv * w * s  (K, V)  + block_q * w * s  (Q, dO)            + 1024
+      dK/dV:    stages * (block_q * w * s + 2 * block_q * 4)  (Q, dO, lse, delta)
+                + block_kv * w * s  (K, V)                                              + 1024
     Measured on an H200: the float32, head_dim 128 forward at 128 x 128, 3 stages asked for
     394240 bytes, the loop term + 1024; the Q term is the margin.
     """
     d, s, scratch = head_dim, itemsize, 1024
+    w = d + (d if v_head_dim is None else v_head_dim)
     bq, bk, bbq, bbk = config.block_q, config.block_kv, config.bwd_block_q, config.bwd_block_kv
     return {
-        "forward": config.num_stages * 2 * bk * d * s + bq * d * s + scratch,
-        "dq": config.bwd_num_stages * 2 * bbk * d * s + 2 * bbq * d * s + scratch,
-        "dkv": config.bwd_num_stages * (2 * bbq * d * s + 2 * bbq * 4) + 2 * bbk * d * s + scratch,
+        "forward": config.num_stages * bk * w * s + bq * d * s + scratch,
+        "dq": config.bwd_num_stages * bbk * w * s + bbq * w * s + scratch,
+        "dkv": config.bwd_num_stages * (bbq * w * s + 2 * bbq * 4) + bbk * w * s + scratch,
     }
 
 
-def over_limit(config: GpuConfig, head_dim: int, itemsize: int, limit: int) -> str | None:
+def over_limit(config: GpuConfig, head_dim: int, itemsize: int, limit: int, v_head_dim: int | None = None
+               ) -> str | None:
     """Which kernel of `config` needs more shared memory than `limit`, and how much; None if all fit."""
-    for kernel, need in shared_memory_bytes(config, head_dim, itemsize).items():
+    for kernel, need in shared_memory_bytes(config, head_dim, itemsize, v_head_dim).items():
         if need > limit:
             return f"the {kernel} kernel needs about {need} bytes of shared memory, the GPU has {limit}"
     return None
@@ -138,19 +142,20 @@ def _shrink(block_q: int, block_kv: int, stages: int, floor_q: int):
     return None
 
 
-def fit(config: GpuConfig, head_dim: int, itemsize: int, limit: int) -> GpuConfig | None:
+def fit(config: GpuConfig, head_dim: int, itemsize: int, limit: int, v_head_dim: int | None = None
+        ) -> GpuConfig | None:
     """`config` with the forward and backward tiles shrunk until every kernel fits `limit` bytes
     of shared memory (unchanged if it fits), or None if even the smallest tiles do not."""
     fwd = (config.block_q, config.block_kv, config.num_stages)
     while fwd is not None:
         config = dataclasses.replace(config, block_q=fwd[0], block_kv=fwd[1], num_stages=fwd[2])
-        if shared_memory_bytes(config, head_dim, itemsize)["forward"] <= limit:
+        if shared_memory_bytes(config, head_dim, itemsize, v_head_dim)["forward"] <= limit:
             break
         fwd = _shrink(*fwd, floor_q=64)
     bwd = (config.bwd_block_q, config.bwd_block_kv, config.bwd_num_stages)
     while bwd is not None:
         config = dataclasses.replace(config, bwd_block_q=bwd[0], bwd_block_kv=bwd[1], bwd_num_stages=bwd[2])
-        need = shared_memory_bytes(config, head_dim, itemsize)
+        need = shared_memory_bytes(config, head_dim, itemsize, v_head_dim)
         if need["dq"] <= limit and need["dkv"] <= limit:
             break
         bwd = _shrink(*bwd, floor_q=32)

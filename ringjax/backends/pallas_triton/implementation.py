@@ -44,13 +44,12 @@ def refusal(problem: Problem, capability: tuple[int, int], limit: int) -> str | 
     why = SUPPORT.refusal("pallas_triton", problem)
     if why:
         return why
-    d = problem.head_dim
     if capability < cfg.MIN_CAPABILITY:
         need = ".".join(map(str, cfg.MIN_CAPABILITY))
         return f"needs an NVIDIA GPU of compute capability >= {need}, this one has {'.'.join(map(str, capability))}"
     smallest = GpuConfig(block_q=MIN_BLOCK, block_kv=MIN_BLOCK, num_stages=1, bwd_block_q=MIN_BLOCK,
                          bwd_block_kv=MIN_BLOCK, bwd_num_stages=1)
-    too_big = cfg.over_limit(smallest, d, _itemsize(problem), limit)
+    too_big = cfg.over_limit(smallest, problem.head_dim, _itemsize(problem), limit, problem.v_head_dim)
     if too_big:
         return f"even the smallest tiles do not fit: {too_big}"
     return None
@@ -70,10 +69,10 @@ class PallasTritonImplementation:
         return refusal(problem, *_shared_memory(problem))
 
     def _fit(self, problem: Problem, config: GpuConfig) -> GpuConfig | None:
-        return cfg.fit(config, problem.head_dim, _itemsize(problem), _shared_memory(problem)[1])
+        return cfg.fit(config, problem.head_dim, _itemsize(problem), _shared_memory(problem)[1], problem.v_head_dim)
 
     def default_config(self, problem: Problem) -> GpuConfig:
-        warps = 4 if problem.head_dim <= 64 else 8
+        warps = 4 if max(problem.head_dims) <= 64 else 8
         config = self._fit(problem, GpuConfig(num_warps=warps, interpret=self.interpret))
         assert config is not None, "supports() refuses problems whose smallest tiles do not fit"
         return config
@@ -97,7 +96,7 @@ class PallasTritonImplementation:
         check_interpret(self.name, self.interpret, config)
         capability, limit = _shared_memory(problem)
         used = cfg.used_blocks(config, problem.opts, problem.seq)
-        too_big = cfg.over_limit(used, problem.head_dim, _itemsize(problem), limit)
+        too_big = cfg.over_limit(used, problem.head_dim, _itemsize(problem), limit, problem.v_head_dim)
         if too_big:
             raise ValueError(f"{self.name}: {config} does not fit this GPU (compute capability "
                              f"{'.'.join(map(str, capability))}): {too_big}; use smaller blocks or fewer stages, "

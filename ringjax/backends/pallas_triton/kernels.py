@@ -145,8 +145,8 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str, pr
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v, prec)
         return m_new, denom, acc
 
-    bq, d = tl.block_q, tl.head_dim
-    init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, d), jnp.float32))
+    bq, dv = tl.block_q, tl.v_head_dim
+    init = (jnp.full((bq,), _NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32), jnp.zeros((bq, dv), jnp.float32))
     m, denom, acc = _walk(mode, r.tables, row, i, tl.num_kv, step, init)
     out, lse = finish(acc, m, denom, base2=True)
     r.out[...] = out
@@ -208,8 +208,8 @@ def _dkv_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling, mode: str, pr
 
         return _walk(mode, r.tables, row, j, tl.num_q, step, carry)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    r.dk[...], r.dv[...] = lax.fori_loop(0, tl.groups, head, (zeros, zeros))
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    r.dk[...], r.dv[...] = lax.fori_loop(0, tl.groups, head, zeros)
 
 
 # --------------------------------------------------------------------------- launches
@@ -234,23 +234,26 @@ class _Step:
     prec: object  # `precision=` of every tile dot (core.precision.dot_precision)
 
     @classmethod
-    def of(cls, q, k, q_info, k_info, opts, block_q, block_kv, precision: str):
+    def of(cls, q, k, v, q_info, k_info, opts, block_q, block_kv, precision: str):
         bq, bk = block_sizes(opts, q.shape[1], k.shape[1], block_q, block_kv)
         has_seg = q_info.seg is not None
-        tl = Tiling.of(q, k, bq, bk, has_seg)
+        tl = Tiling.of(q, k, v, bq, bk, has_seg)
         mode = "dense" if not may_skip(opts) else "list" if has_seg else "ranges"
         cat = None if mode == "dense" else _categories(opts, q_info, k_info, bq, bk)
         return cls(opts, tl, mode, q_info, k_info, cat, dot_precision(q.dtype, precision))
 
     def by_query_block(self, *blocks):
         """Operands of a kernel gridded (query block, batch, head): q and `blocks` ((name, array, kind),
-        kind "tokens" [B, T, H, D] or "rows" [B, H, T] at the query block, "keys": all keys) and the tables."""
+        kind "tokens" [B, T, H, D] (q's head_dim; "tokens_v": v's, as out and dO) or "rows" [B, H, T] at the
+        query block, "keys" / "values": all keys of K / V) and the tables."""
         opts, tl = self.opts, self.tl
-        g, bq, s, d = tl.groups, tl.block_q, tl.kv_len, tl.head_dim
+        g, bq, s = tl.groups, tl.block_q, tl.kv_len
         r = functools.partial(_q_block, opts, tl.num_q)
-        spec = {"tokens": pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, r(i), h, 0)),
-                "rows": pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, r(i))),
-                "keys": pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, h // g, 0))}
+        spec = {"rows": pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, r(i)))}
+        for suffix, d in (("", tl.head_dim), ("_v", tl.v_head_dim)):
+            spec["tokens" + suffix] = pl.BlockSpec((None, bq, None, d), lambda i, b, h: (b, r(i), h, 0))
+        spec["keys"], spec["values"] = (pl.BlockSpec((None, s, None, d), lambda i, b, h: (b, 0, h // g, 0))
+                                        for d in (tl.head_dim, tl.v_head_dim))
         ops = Operands()
         for name, x, kind in blocks:
             ops.add(name, x, spec[kind])
@@ -265,12 +268,15 @@ class _Step:
 
     def by_key_block(self, *blocks):
         """Operands of a kernel gridded (key block, batch, KV head): `blocks` ((name, array, kind), kind
-        "tokens": all T rows of the G query heads, "rows": [B, H, T] likewise, "keys": the key block)."""
+        "tokens" / "tokens_v": all T rows of the G query heads (q's / v's head_dim), "rows": [B, H, T]
+        likewise, "keys" / "values": the key block of K / V)."""
         tl = self.tl
-        g, t, bk, d = tl.groups, tl.q_len, tl.block_kv, tl.head_dim
-        spec = {"tokens": pl.BlockSpec((None, t, g, d), lambda j, b, h: (b, 0, h, 0)),
-                "rows": pl.BlockSpec((None, g, t), lambda j, b, h: (b, h, 0)),
-                "keys": pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))}
+        g, t, bk = tl.groups, tl.q_len, tl.block_kv
+        spec = {"rows": pl.BlockSpec((None, g, t), lambda j, b, h: (b, h, 0))}
+        for suffix, d in (("", tl.head_dim), ("_v", tl.v_head_dim)):
+            spec["tokens" + suffix] = pl.BlockSpec((None, t, g, d), lambda j, b, h: (b, 0, h, 0))
+        spec["keys"], spec["values"] = (pl.BlockSpec((None, bk, None, d), lambda j, b, h: (b, j, h, 0))
+                                        for d in (tl.head_dim, tl.v_head_dim))
         ops = Operands()
         for name, x, kind in blocks:
             ops.add(name, x, spec[kind])
@@ -310,11 +316,11 @@ class _Step:
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: GpuConfig, *,
               precision: str = DEFAULT):
-    """One ring step forward: (out f32 [B,T,H,D], lse f32 [B,H,T]); float32 tiles multiply at `precision`."""
-    step = _Step.of(q, k, q_info, k_info, opts, config.block_q, config.block_kv, precision)
+    """One ring step forward: (out f32 [B,T,H,Dv], lse f32 [B,H,T]); float32 tiles multiply at `precision`."""
+    step = _Step.of(q, k, v, q_info, k_info, opts, config.block_q, config.block_kv, precision)
     tl = step.tl
-    ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"))
-    outs = (Operands().add("out", ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32), spec["tokens"])
+    ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "values"))
+    outs = (Operands().add("out", ((tl.batch, tl.q_len, tl.heads, tl.v_head_dim), jnp.float32), spec["tokens_v"])
             .add("lse", ((tl.batch, tl.heads, tl.q_len), jnp.float32), spec["rows"]))
     out, lse = step.launch(_fwd_kernel, "ringjax_fwd", (tl.num_q, tl.batch, tl.heads), ins, outs, config, bwd=False)
     return out, lse
@@ -323,7 +329,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: GpuConfig, *, precision: str = DEFAULT):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
-    step = _Step.of(q, k, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv, precision)
+    step = _Step.of(q, k, v, q_info, k_info, opts, config.bwd_block_q, config.bwd_block_kv, precision)
     tl = step.tl
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse2, delta = finite_or_zero(lse) * LOG2E, delta.astype(jnp.float32)
@@ -331,19 +337,19 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
 
     dq = None
     if not config.bwd_fused:  # dQ: grid over query blocks, walking key blocks
-        ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"), ("do", dout, "tokens"),
-                                        ("lse", lse2, "rows"), ("delta", delta, "rows"))
+        ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "values"),
+                                        ("do", dout, "tokens_v"), ("lse", lse2, "rows"), ("delta", delta, "rows"))
         outs = Operands().add("dq", tokens, spec["tokens"])
         (dq,) = step.launch(_dq_kernel, "ringjax_bwd_dq", (tl.num_q, tl.batch, tl.heads), ins, outs, config, bwd=True)
 
     # dK, dV (and dQ when fused): grid over key blocks and KV heads, walking query blocks of the G query heads
-    blocks = [("q", q, "tokens"), ("k", k, "keys"), ("v", v, "keys"), ("do", dout, "tokens"), ("lse", lse2, "rows"),
-              ("delta", delta, "rows")]
+    blocks = [("q", q, "tokens"), ("k", k, "keys"), ("v", v, "values"), ("do", dout, "tokens_v"),
+              ("lse", lse2, "rows"), ("delta", delta, "rows")]
     if config.bwd_fused:  # dQ accumulates atomically into these zeros, aliased to the dq output
         blocks.append(("dq_zeros", jnp.zeros(*tokens), "tokens"))
     ins, spec = step.by_key_block(*blocks)
-    kv_grads = ((tl.batch, tl.kv_len, tl.kv_heads, tl.head_dim), jnp.float32)
-    outs = Operands().add("dk", kv_grads, spec["keys"]).add("dv", kv_grads, spec["keys"])
+    k_grads, v_grads = (((tl.batch, tl.kv_len, tl.kv_heads, d), jnp.float32) for d in (tl.head_dim, tl.v_head_dim))
+    outs = Operands().add("dk", k_grads, spec["keys"]).add("dv", v_grads, spec["values"])
     if config.bwd_fused:
         outs.add("dq", tokens, spec["tokens"])
     grid = (tl.num_kv, tl.batch, tl.kv_heads)

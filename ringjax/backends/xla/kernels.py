@@ -101,16 +101,18 @@ class _Tile:
         return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
 
 
-def _tiling(q, k, opts: AttentionOptions, config: XlaConfig):
+def _tiling(q, k, v, opts: AttentionOptions, config: XlaConfig):
     """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks); any divisor is a legal block."""
-    tl = Tiling.of(q, k, pick_block(q.shape[1], config.block_q, opts), pick_block(k.shape[1], config.block_kv, opts))
+    tl = Tiling.of(q, k, v, pick_block(q.shape[1], config.block_q, opts),
+                   pick_block(k.shape[1], config.block_kv, opts))
     return tl.batch, tl.heads, tl.kv_heads, tl.groups, tl.block_q, tl.block_kv, tl.num_q, tl.num_kv
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions, config: XlaConfig,
               *, precision: str = DEFAULT):
-    """(out f32, lse f32) of one step; float32 tiles multiply at `precision` (`core.precision`)."""
-    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
+    """(out f32 [B, T, H, v's head_dim], lse f32) of one step; float32 tiles multiply at `precision`
+    (`core.precision`)."""
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, v, opts, config)
     t = q.shape[1]
     prec = dot_precision(q.dtype, precision)
     qb = _split_q(q, nq, bq, kvh)
@@ -124,7 +126,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
         init = (
             _compat.match_vma(jnp.full(qi.shape[:-1], -jnp.inf, jnp.float32), q, k),
             _compat.match_vma(jnp.zeros(qi.shape[:-1], jnp.float32), q, k),
-            _compat.match_vma(jnp.zeros(qi.shape, jnp.float32), q, k),
+            _compat.match_vma(jnp.zeros(qi.shape[:-1] + v.shape[-1:], jnp.float32), q, k),
         )
 
         def kv_block(j, carry):
@@ -159,7 +161,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
               opts: AttentionOptions, config: XlaConfig, *, precision: str = DEFAULT):
     """(dq, dk, dv, d alibi_slopes or None), float32."""
-    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, opts, config)
+    b, h, kvh, g, bq, bk, nq, nk = _tiling(q, k, v, opts, config)
     prec = dot_precision(q.dtype, precision)
     qb, dob = _split_q(q, nq, bq, kvh), _split_q(dout, nq, bq, kvh)
     lseb, deltab = _split_rows(finite_or_zero(lse), nq, bq, kvh), _split_rows(delta, nq, bq, kvh)
@@ -202,8 +204,8 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
             return lax.cond(_may_see(opts, qrng, krng, i, j), compute, lambda c: c, carry)
 
         dq_acc, dslopes = carry
-        zeros_kv = _compat.match_vma(jnp.zeros(kj.shape, jnp.float32), *refs)
-        dq_acc, dslopes, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, dslopes, zeros_kv, zeros_kv))
+        zeros_k, zeros_v = (_compat.match_vma(jnp.zeros(x.shape, jnp.float32), *refs) for x in (kj, vj))
+        dq_acc, dslopes, dk, dv = lax.fori_loop(0, nq, q_block, (dq_acc, dslopes, zeros_k, zeros_v))
         return (dq_acc, dslopes), (dk, dv)
 
     dq0 = _compat.match_vma(jnp.zeros(qb.shape, jnp.float32), *refs)
