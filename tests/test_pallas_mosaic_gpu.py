@@ -76,7 +76,7 @@ def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=
     ds = dlogits * slope
     b, sk, kvh, d = k.shape
     dk = np.einsum("bhts,bthd->bshd", ds, q).reshape(b, sk, kvh, g, d).sum(3)
-    dv = np.einsum("bhts,bthd->bshd", p * drop, do).reshape(b, sk, kvh, g, d).sum(3)
+    dv = np.einsum("bhts,bthd->bshd", p * drop, do).reshape(b, sk, kvh, g, v.shape[3]).sum(3)
     out = dict(out=out, lse=lse, delta=delta, dq=np.einsum("bhts,bshd->bthd", ds, kr), dk=dk, dv=dv)
     if slopes is not None:
         out["dslopes"] = -(dlogits * dist).sum(axis=(0, 2, 3))
@@ -84,9 +84,10 @@ def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=
 
 
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
-                config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, **kw):
+                config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, v_head_dim=None, **kw):
     """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys);
-    `gather`: keys are the whole sequence in natural order (the all-gather schedule)."""
+    `gather`: keys are the whole sequence in natural order (the all-gather schedule); `v_head_dim`: v's and
+    dO's head_dim (None: head_dim)."""
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     total = local * n
@@ -95,8 +96,9 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     k_len = total if gather else local
     q = cast(rng.standard_normal((batch, local, heads, head_dim)))
-    k, v = (cast(rng.standard_normal((batch, k_len, kv_heads, head_dim))) for _ in range(2))
-    do = cast(rng.standard_normal((batch, local, heads, head_dim)))
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    k, v = (cast(rng.standard_normal((batch, k_len, kv_heads, d))) for d in (head_dim, v_head_dim))
+    do = cast(rng.standard_normal((batch, local, heads, v_head_dim)))
     qpos = local_positions(layout, shard, n, local, xp=np, subshards=subshards)
     kpos = np.arange(total) if gather else local_positions(layout, src, n, local, xp=np, subshards=subshards)
     seg = None
@@ -203,6 +205,24 @@ def test_step_head_dims(layout, n, shard, src, local, dtype, kw, head_dim):
                 config=small_for(head_dim), **kw)
 
 
+# q/k and v head_dims apart (multi-head latent attention): split backward (192/128, 64/256), not split (128/64)
+V_HEAD_DIM_CASES = [
+    (192, 128, "contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True, alibi=True)),
+    (128, 64, "zigzag", 2, 1, 0, 256, "float16", dict(causal=True, window=(90, 0), segments=True)),
+    (64, 256, "striped", 2, 0, 1, 128, "bfloat16", dict(causal=True, dropout_rate=0.2, logits_soft_cap=5.0)),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim, v_head_dim, layout, n, shard, src, local, dtype, kw", V_HEAD_DIM_CASES)
+def test_step_v_head_dims(head_dim, v_head_dim, layout, n, shard, src, local, dtype, kw):
+    kw = dict(kw)
+    batch = 2 if kw.get("segments") else 1
+    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
+                config=small_for(max(head_dim, v_head_dim)), v_head_dim=v_head_dim, **kw)
+
+
 @needs_kernels
 def test_step_with_row_tile_pairing_under_gqa():
     """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
@@ -281,6 +301,8 @@ def _problem(**kw):
     (dict(dtype="float32"), "dtype float32 is not supported"),
     (dict(head_dim=512), "head_dim 512 is not supported: needs 64, 96, 128, 192 or 256"),
     (dict(head_dim=80), "head_dim 80 is not supported"),
+    (dict(v_head_dim=80), "v head_dim 80 is not supported"),
+    (dict(head_dim=192, v_head_dim=96), "above 128 the backward splits both in halves"),
     (dict(opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
      "sink tokens of packed documents (`num_sink_tokens` with `segment_ids`) is not implemented in pallas_mosaic_gpu"),
     (dict(seq=192, opts=AttentionOptions(layout="contiguous", subshards=2)),
@@ -366,7 +388,7 @@ def test_candidates_fit_shared_memory():
     dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
     dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
 ])
-@pytest.mark.parametrize("d", [96, 128, 256])
+@pytest.mark.parametrize("d", [96, 128, 256, (192, 128), (64, 256)])  # (q/k head_dim, v head_dim)
 def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
@@ -375,6 +397,7 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     t = 256
+    d, dv = d if isinstance(d, tuple) else (d, d)
     opts = AttentionOptions(softmax_scale=0.1, **kw)
     extras = Extras(alibi_slopes=jnp.linspace(0.1, 0.8, 8), dropout_seed=jnp.array([1, 2], jnp.uint32))
 
@@ -383,13 +406,13 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
         pos = jnp.arange(t, dtype=jnp.int32)
         qi = TokenInfo(pos, seg, pos[None])
         ki = TokenInfo(pos - t, seg, pos[None] - t)
-        cfg = IMPLEMENTATION.default_config(_problem(head_dim=d))
+        cfg = IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv))
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
 
     s = jax.ShapeDtypeStruct
-    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16),
-            s((1, t, 8, d), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
+            s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
             s((1, t), jnp.int32))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3

@@ -14,8 +14,6 @@ SUPPORT = Support(
     head_dims=lambda d: d in HEAD_DIMS,
     head_dims_text=", ".join(map(str, HEAD_DIMS[:-1])) + f" or {HEAD_DIMS[-1]}",
     min_seq_multiple=ROWS,
-    v_head_dim_refusal="its kernels give q, k, v and dO tiles one head_dim (shared-memory slots, the backward's "
-                       "head_dim split, the epilogue); implementation='auto' picks one that runs it",
 )
 
 register("ring_attention", "pallas_mosaic_gpu", platforms=("gpu",), priority=15, support=SUPPORT,

@@ -43,16 +43,18 @@ class MosaicGpuConfig(KernelConfig):
     pair_heads: bool = True
     interpret: bool = False
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False) -> dict[str, int]:
-        """Shared memory each kernel allocates (bytes), by the same sums the kernels use."""
-        d = head_dim
-        tile = ROWS * d * itemsize  # one warpgroup's q, dO, K or V tile
-        # the backward's consumers share their tiles when they split the head_dim (kernels.split_head_dim)
-        bwd_tiles = 2 * tile if d > 128 else 4 * tile
-        epilogue = 2 * epilogue_slots(d) * ROWS * 32 * 4  # float32 slots of 32 columns per warpgroup
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
+                   v_head_dim: int | None = None) -> dict[str, int]:
+        """Shared memory each kernel allocates (bytes), by the same sums the kernels use; q and k tiles are
+        head_dim wide, v and dO tiles v_head_dim (None: head_dim)."""
+        d, dv = head_dim, head_dim if v_head_dim is None else v_head_dim
+        w = (d + dv) * itemsize  # a row of a q and a dO tile, or of a K and a V tile
+        # the backward's consumers share their tiles when they split the head_dims (kernels.split_head_dim)
+        bwd_tiles = ROWS * w * (1 if max(d, dv) > 128 else 2)
+        epilogue = 2 * epilogue_slots(max(d, dv)) * ROWS * 32 * 4  # float32 slots of 32 columns per warpgroup
         seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
-        fwd = 2 * tile + 2 * self.num_stages * self.block_kv * d * itemsize + epilogue + 2 * ROWS * 4
-        dq = bwd_tiles + 2 * self.dq_num_stages * self.dq_block_kv * d * itemsize + epilogue + 4 * ROWS * 4
-        dkv = bwd_tiles + self.dkv_num_stages * (2 * self.dkv_block_q * d * itemsize + 2 * self.dkv_block_q * 4)
+        fwd = 2 * ROWS * d * itemsize + self.num_stages * self.block_kv * w + epilogue + 2 * ROWS * 4
+        dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 4 * ROWS * 4
+        dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
         dkv += epilogue
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}

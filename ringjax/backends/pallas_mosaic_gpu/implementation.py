@@ -11,6 +11,9 @@ from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 from ringjax.core.tiles import block_stride
 
+# epilogue chunks (kernels._write_rows) are 32 columns: split in halves, a head_dim must be a multiple of 64
+_SPLIT_MULTIPLE = 64
+
 _MIN_JAX = (0, 11)
 # what the kernels call; a jax without one of them cannot build them
 _PLGPU_API = ("kernel", "SMEM", "Barrier", "ACC", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem",
@@ -97,7 +100,11 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     if problem.seq % (2 * ROWS) and (problem.gqa_ratio % 2 or not config.pair_heads):
         return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two consumers "
                 f"of a block take two row tiles (query heads per KV head: {problem.gqa_ratio})")
-    for kernel, size in config.smem_bytes(problem.head_dim, 2, opts.has_segments).items():
+    d, dv = problem.head_dims
+    if max(d, dv) > 128 and (d % _SPLIT_MULTIPLE or dv % _SPLIT_MULTIPLE):
+        return (f"head_dim {d} with v head_dim {dv}: above 128 the backward splits both in halves, which must be "
+                f"multiples of 32 (head_dims multiples of {_SPLIT_MULTIPLE})")
+    for kernel, size in config.smem_bytes(d, 2, opts.has_segments, dv).items():
         if size > SMEM_LIMIT - 1024:
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
                     f"{SMEM_LIMIT} a Hopper block may use")
@@ -105,9 +112,10 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
 
 
 def default_config(problem: Problem) -> MosaicGpuConfig:
-    if problem.head_dim <= 64:
+    widest = max(problem.head_dims)
+    if widest <= 64:
         return MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=3)
-    if problem.head_dim > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
+    if widest > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
         return MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2)
     return MosaicGpuConfig()
 
@@ -132,7 +140,8 @@ class PallasMosaicGpuImplementation:
                 for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
                     cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
                                           dkv_num_stages=dkv_stages, pair_heads=pair_heads)
-                    sizes = cfg.smem_bytes(problem.head_dim, 2, problem.opts.has_segments).values()
+                    sizes = cfg.smem_bytes(problem.head_dim, 2, problem.opts.has_segments,
+                                           problem.v_head_dim).values()
                     if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
                         out.append(cfg)
         return out

@@ -18,6 +18,8 @@ slots (`*_stages` deep), guarded by one "loaded" barrier per slot and buffer and
   thread's registers, so both consumers take the same row tile and each accumulates one half
   of the head_dim; every d-wide tile is stored as two halves, and S and dP sum a wgmma per half
   (each consumer computes them whole: the price of the split).
+- v may have a head_dim of its own (multi-head latent attention): q, k, dQ and dK tiles are d wide,
+  v, dO, out and dV tiles dv wide; the backward splits when either exceeds 128, halving each.
 
 Visiting: per 64-row tile the producer and consumers walk the blocks [lo, hi) of a table
 built in XLA (`visits.range_table`): fully visible blocks take no mask, the others get the
@@ -87,9 +89,10 @@ class _Walk:
     split: bool = False
 
 
-def split_head_dim(head_dim: int) -> bool:
-    """Whether the backward kernels split the head_dim between the two consumers (`_Walk.split`)."""
-    return head_dim > 128
+def split_head_dim(head_dim: int, v_head_dim: int | None = None) -> bool:
+    """Whether the backward kernels split the head_dims between the two consumers (`_Walk.split`): when q/k's
+    or v's (None: q/k's) exceeds 128."""
+    return max(head_dim, head_dim if v_head_dim is None else v_head_dim) > 128
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -323,6 +326,17 @@ def _stream_smem(stages: int, rows: int, d: int, dtype, split: bool):
     return plgpu.SMEM((stages, rows, d), dtype, transforms=_transforms(d, dtype))
 
 
+def _tile_smem(d: int, dtype, split: bool):
+    """The two consumers' [64, d] row tiles, or (split) the two halves of the tile they share."""
+    cols = d // 2 if split else d
+    return plgpu.SMEM((2, ROWS, cols), dtype, transforms=_transforms(cols, dtype))
+
+
+def _half(rows, walk: _Walk, wg, d: int):
+    """Index of the part of a d-wide row tile at `rows` that consumer `wg` loads: all of it, or (split) half wg."""
+    return (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
+
+
 def _epilogue_smem(head_dim: int):
     """Per consumer, float32 [64, 32] slots for `_write_rows`: two to overlap the copies, one when the
     head_dim leaves no room (`config.epilogue_slots`)."""
@@ -478,7 +492,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     q_bar, k_bar, v_bar, k_free, v_free, sched = r.take(6)
     seg_bar = r.take(1, has_seg)
 
-    bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    bk, stages = walk.block, walk.stages
     b, tiles, heads, bounds, span = _row_tiles_of_cta(walk, rng_ref, has_seg)
     wg = lax.axis_index("wg")
     # without a soft cap or ALiBi the scale stays out of the max and joins exp2 as one FMA
@@ -553,7 +567,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, row_sum
 
-        init = (_zeros((ROWS, d)), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+        init = (_zeros((ROWS, v_ref.shape[-1])), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
                                                      plgpu.Layout.WGMMA.reduce(1)),
                 _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
         pl.when(wg == 1)(schedule)
@@ -648,12 +662,12 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
     args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *_segment_args(q_info, k_info),
             *_mod_args(opts, extras, h)]
     args = _unify(args)
-    dt = q.dtype
+    dt, dv = q.dtype, v.shape[3]
     scratch = [
         plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt)),
         plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
-        plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
-        _epilogue_smem(d),
+        plgpu.SMEM((walk.stages, bk, dv), dt, transforms=_transforms(dv, dt)),
+        _epilogue_smem(max(d, dv)),
         plgpu.SMEM((2, ROWS), jnp.float32),
     ]
     if has_seg:
@@ -668,7 +682,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
     ]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0]),
+    out_type = [_compat.struct_like((b, t, h, dv), jnp.float32, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
     return _launch(_fwd_kernel, args, out_type, scratch, grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
                    rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
@@ -711,9 +725,9 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
         qpos0 = qstart_ref[tile]
         rows = (b, pl.ds(q0, ROWS), head)
         # split: consumer wg loads half wg of the shared q and dO tiles, and waits for both halves
-        mine = (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
+        mine, mine_do = (_half(rows, walk, wg, width) for width in (d, do_ref.shape[-1]))
         plgpu.copy_gmem_to_smem(q_ref.at[mine], q_smem.at[wg], q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(do_ref.at[mine], do_smem.at[wg], q_bar.at[2 + wg])
+        plgpu.copy_gmem_to_smem(do_ref.at[mine_do], do_smem.at[wg], q_bar.at[2 + wg])
         plgpu.copy_gmem_to_smem(lse_ref.at[b, head, pl.ds(q0, ROWS)], lse_smem.at[wg], q_bar.at[4 + wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[b, head, pl.ds(q0, ROWS)], delta_smem.at[wg], q_bar.at[6 + wg])
         qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
@@ -818,9 +832,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         kpos0 = kstart_ref[tile]
         rows = (b, pl.ds(k0, ROWS), kvh)
         # split: consumer wg loads half wg of the shared K and V tiles, and waits for both halves
-        mine = (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
+        mine, mine_v = (_half(rows, walk, wg, width) for width in (d, v_ref.shape[-1]))
         plgpu.copy_gmem_to_smem(k_ref.at[mine], k_smem.at[wg], kv_bar.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[mine], v_smem.at[wg], kv_bar.at[2 + wg])
+        plgpu.copy_gmem_to_smem(v_ref.at[mine_v], v_smem.at[wg], kv_bar.at[2 + wg])
         kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
         for i in range(4) if walk.split else (wg, 2 + wg):
             plgpu.barrier_wait(kv_bar.at[i])
@@ -877,11 +891,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             return _walk_tile(span, my, step, carry, walk)
 
-        cols = d // 2 if walk.split else d
-        dk, dv = lax.fori_loop(0, groups, head, (_zeros((ROWS, cols)), _zeros((ROWS, cols))))
+        cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
+        dk, dv = lax.fori_loop(0, groups, head, tuple(_zeros((ROWS, c)) for c in cols))
         dk = dk * opts.softmax_scale
         chunks = _write_rows(dk, o_smem, wg, dk_ref.at[mine])
-        _write_rows(dv, o_smem, wg, dv_ref.at[mine], first=chunks)
+        _write_rows(dv, o_smem, wg, dv_ref.at[mine_v], first=chunks)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -926,19 +940,18 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
 def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream."""
     b, t, h, d = q.shape
-    s, g, has_seg, dt = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype
+    s, g, has_seg, dt, dv = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
     rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
-    split = split_head_dim(d)
+    split = split_head_dim(d, dv)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
                      prefix=prefix, split=split)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk),
                    *_segment_args(q_info, k_info), *mods])
-    # two consumers' tiles, or (split) the two halves of the consumers' shared tile
-    tile = plgpu.SMEM((2, ROWS, d // 2 if split else d), dt, transforms=_transforms(d // 2 if split else d, dt))
-    stream = _stream_smem(walk.stages, bk, d, dt, split)
-    scratch = [tile, tile, plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32), stream, stream,
-               _epilogue_smem(d)]
+    vec = plgpu.SMEM((2, ROWS), jnp.float32)
+    scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split), vec, vec,  # q, dO, lse, delta
+               _stream_smem(walk.stages, bk, d, dt, split), _stream_smem(walk.stages, bk, dv, dt, split),  # K, V
+               _epilogue_smem(max(d, dv))]
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
@@ -959,19 +972,18 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream."""
     b, t, h, d = q.shape
-    s, kvh, has_seg, dt = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype
+    s, kvh, has_seg, dt, dv = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     g = h // kvh
-    split = split_head_dim(d)
-    # two consumers' tiles, or (split) the two halves of the consumers' shared tile
-    tile = plgpu.SMEM((2, ROWS, d // 2 if split else d), dt, transforms=_transforms(d // 2 if split else d, dt))
+    split = split_head_dim(d, dv)
     bq = _fit(t, config.dkv_block_q, opts)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
     rng, _ = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS),
                    *_segment_args(q_info, k_info), *mods])
-    stream = _stream_smem(walk.stages, bq, d, dt, split)
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
-    scratch = [tile, tile, stream, stream, vec, vec, _epilogue_smem(d)]
+    scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split),  # K, V
+               _stream_smem(walk.stages, bq, d, dt, split), _stream_smem(walk.stages, bq, dv, dt, split),  # q, dO
+               vec, vec, _epilogue_smem(max(d, dv))]  # lse, delta
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
@@ -980,6 +992,6 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    kv_struct = _compat.struct_like(k.shape, jnp.float32, args[0])
-    return _launch(_dkv_kernel, args, [kv_struct, kv_struct], scratch, grid=(kvh, walk.n_ctas, b), rows="k",
+    kv_structs = [_compat.struct_like(x.shape, jnp.float32, args[0]) for x in (k, v)]
+    return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                    walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
