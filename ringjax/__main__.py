@@ -245,12 +245,13 @@ def _cmd_strategy(args) -> int:
         chip = dataclasses.replace(chip, link_bandwidth=args.link_gbps * 1e9)
     costs = plan.strategy_costs(
         chip, devices=args.devices, seq_len=args.seq, heads=args.heads, kv_heads=args.kv_heads or args.heads,
-        head_dim=args.head_dim, dtype=args.dtype, causal=args.causal, layout=args.layout, batch=args.batch,
-        hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
+        head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype, causal=args.causal, layout=args.layout,
+        batch=args.batch, hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
     )
     print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s), "
           f"seq {args.seq} ({args.seq // args.devices} per device), "
-          f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, head_dim {args.head_dim}, "
+          f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, "
+          f"head_dim {_head_dims(args.head_dim, args.v_head_dim)}, "
           f"{args.dtype}, {'causal' if args.causal else 'full'}, layout {args.layout}"
           + (f", hybrid {hybrid[0]} x {hybrid[1]}" if hybrid else ""))
     print(plan.strategy_table(costs))
@@ -437,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=_positive_int, required=True)
     p.add_argument("--kv-heads", type=_positive_int, help="default: --heads")
     p.add_argument("--head-dim", type=_positive_int, required=True)
+    p.add_argument("--v-head-dim", type=_positive_int, help="v's head_dim (default: --head-dim)")
     p.add_argument("--batch", type=_positive_int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--causal", action="store_true")
