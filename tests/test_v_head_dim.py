@@ -35,13 +35,15 @@ BLOCKS = XlaConfig(block_q=8, block_kv=8)  # several blocks per shard
 # (devices, layout, dtype, make_inputs kwargs, ring_attention kwargs)
 XLA_CASES = {
     "1dev_gqa_wider_v": (1, "contiguous", "float32", dict(head_dim=24, v_head_dim=40), dict(causal=True)),
-    "2dev_zigzag_window_softcap_bf16": (2, "zigzag", "bfloat16", dict(head_dim=64, v_head_dim=32),
-                                        dict(causal=True, sliding_window=10, logits_soft_cap=3.0)),
+    "2dev_zigzag_window_chunks_softcap_bf16": (2, "zigzag", "bfloat16", dict(head_dim=64, v_head_dim=32),
+                                               dict(causal=True, sliding_window=10, chunk_size=12,
+                                                    logits_soft_cap=3.0)),
     "4dev_striped_mqa_segments_sinks_alibi_dropout": (
         4, "striped", "float32", dict(heads=4, kv_heads=1, head_dim=12, v_head_dim=20, segments="random", sinks=True,
                                       alibi=True, dropout_key=3), dict(causal=True, dropout_rate=0.2)),
-    "8dev_zigzag_chunks_bf16": (8, "zigzag", "bfloat16", dict(batch=1, head_dim=48, v_head_dim=32),
-                                dict(causal=True, chunk_size=12)),
+    # a window shortens the ring: the sink tokens get a step of their own
+    "8dev_window_sink_tokens_bf16": (8, "contiguous", "bfloat16", dict(batch=1, head_dim=48, v_head_dim=32),
+                                     dict(causal=True, sliding_window=5, num_sink_tokens=3)),
 }
 
 
