@@ -16,3 +16,17 @@ class XlaConfig(KernelConfig):
 
     def __post_init__(self):
         self._check_ints(("block_q", "block_kv"), lambda v: v >= 1, "a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaCacheConfig(KernelConfig):
+    """Tiling of the XLA `cache_attention` partials: `block_q` queries per block (blocks run one after
+    another), keys read in steps of at most `max_scores` / (batch * heads * block_q) slots, each step
+    split into chunks of `block_kv` slots computed in parallel (split-K) and merged by their max."""
+
+    block_q: int = 64
+    block_kv: int = 512
+    max_scores: int = 1 << 24  # float32 scores live at once per step (64 MiB)
+
+    def __post_init__(self):
+        self._check_ints(("block_q", "block_kv", "max_scores"), lambda v: v >= 1, "a positive int")
