@@ -107,7 +107,9 @@ class KVCache:
         Inside `shard_map` over `axis_name` it holds this device's stripe; otherwise its buffers are
         global arrays sharded over `axis_name` of `mesh` (or the mesh set by `jax.set_mesh`), batch over
         the mesh's other axes where they divide it; with no mesh (or axis_name=None) it lives on one
-        device. `capacity` must be a multiple of the axis size.
+        device. `capacity` must be a multiple of the axis size. A cache made inside shard_map that
+        leaves it (out_specs `shard_specs()` of a cache made outside) is given the same `mesh=`, so that
+        both have the same static fields.
         """
         batch, capacity = _positive_int(batch, "batch"), _positive_int(capacity, "capacity")
         kv_heads, head_dim = _positive_int(kv_heads, "kv_heads"), _positive_int(head_dim, "head_dim")
@@ -131,7 +133,9 @@ class KVCache:
         if bound is not None:  # inside shard_map: this device's stripe, varying over the axis like its appends
             k_shape, v_shape = (batch, capacity // n, kv_heads, head_dim), (batch, capacity // n, kv_heads, v_head_dim)
             k, v = (_compat.to_varying(jnp.zeros(s, dtype), axis_name) for s in (k_shape, v_shape))
-            return cls(k, v, jnp.zeros((batch,), jnp.int32), **meta)
+            if mesh is not None and int(mesh.shape.get(axis_name, 0)) != n:
+                raise ValueError(f"mesh axis {axis_name!r} does not match the enclosing shard_map's (size {n})")
+            return cls(k, v, jnp.zeros((batch,), jnp.int32), mesh=mesh, **meta)
         if mesh is None:
             return cls(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype), jnp.zeros((batch,), jnp.int32),
                        **dict(meta, axis_size=1))
@@ -185,15 +189,15 @@ class KVCache:
                                  f"{self.axis_name!r} of size {self.axis_size}, but that axis has size {bound} here: "
                                  "pass it into shard_map with in_specs=cache.shard_specs()")
             return Call("local", self.axis_name, bound)
-        if self.axis_size == 1:
-            return Call("single", None, 1)
         mesh = self.mesh
-        if mesh is None:  # made inside shard_map and returned from it: the context mesh places it
+        if mesh is None and self.axis_size > 1:  # made inside shard_map and returned from it: the context mesh
             context = _compat.context_mesh()
             mesh = context if context is not None and self.axis_name in context.axis_names else None
+            if mesh is None or int(mesh.shape[self.axis_name]) != self.axis_size:
+                raise ValueError(f"this cache is sharded over axis {self.axis_name!r} of size {self.axis_size} but "
+                                 "no such mesh is known: use it inside shard_map, or under jax.set_mesh(mesh)")
         if mesh is None:
-            raise ValueError(f"this cache is sharded over axis {self.axis_name!r} but no mesh is known: use it inside "
-                             "shard_map, or under jax.set_mesh(mesh)")
+            return Call("single", None, 1)
         return Call("global", self.axis_name, self.axis_size, mesh, batch_axes=self.batch_axes)
 
     def positions(self) -> Int[Array, " slots"]:

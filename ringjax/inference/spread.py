@@ -88,7 +88,7 @@ def pass_q(partials, q, k, v, lengths, counts, *, shard, axis_name, axis_size: i
     """All t queries against this device's stripe, merged over the axis: (out, lse [B, t, H], real [B, t])."""
     q_pos, real = query_positions(lengths, counts, jnp.arange(q.shape[1], dtype=jnp.int32), t_total)
     out, lse = partials(q, k, v, q_pos, stripe_positions(shard, axis_size, k.shape[1]), lengths, **kw)
-    if axis_size > 1:
+    if axis_name is not None:  # also on an axis of one device: the result is then typed replicated over it
         out, lse = merge_over_axis(out, lse, axis_name)
     return out, lse, real
 
