@@ -30,25 +30,6 @@ def _tokens(seed, batch, length, dtype="float32", heads=HEADS, kv_heads=KV_HEADS
     return [np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in x]
 
 
-def _reference(q, k, v, lengths, grow, t, **kw):
-    """Per row: the reference over its first lengths[b] tokens, at the queries of the last append
-    (query i of row b at lengths[b] - grow[b] + i; i >= grow[b] is padding: 0, -inf)."""
-    b_all = q.shape[0]
-    out = np.zeros((b_all, t, q.shape[2], v.shape[3]))
-    lse = np.full((b_all, q.shape[2], t), -np.inf)
-    ref_kw = {"causal": True}  # cache_attention's default
-    ref_kw.update({("window" if name == "sliding_window" else name): value for name, value in kw.items()})
-    for b in range(b_all):
-        length = int(lengths[b])
-        if length == 0:
-            continue
-        ref = attention_reference(q[b:b + 1, :length], k[b:b + 1, :length], v[b:b + 1, :length], **ref_kw)
-        for i in range(int(grow[b])):
-            pos = length - int(grow[b]) + i
-            out[b, i], lse[b, :, i] = ref["out"][0, pos], ref["lse"][0, :, pos]
-    return out, lse
-
-
 def _check(got_out, got_lse, ref_out, ref_lse, dtype="float32"):
     got_out, got_lse = np.asarray(got_out, np.float64), np.asarray(got_lse, np.float64)
     assert not np.isnan(got_out).any() and not np.isnan(got_lse).any()
@@ -58,10 +39,13 @@ def _check(got_out, got_lse, ref_out, ref_lse, dtype="float32"):
 
 
 def _session(cache, q, k, v, schedule, *, dtype="float32", **kw):
-    """Append each (t, counts) of `schedule` to `cache`, attend with the queries of those tokens, and check
-    every step against the reference. Returns the cache."""
-    batch = q.shape[0]
+    """Append each (t, counts, strategy) of `schedule` to `cache` and attend with the queries of those
+    tokens; every step is checked against one reference call over the whole rows, where a count mask lets
+    the query at each position see the keys the cache held when it was appended. Returns the cache."""
+    batch, seq = q.shape[:2]
     lengths = np.zeros(batch, int)
+    limit = np.zeros((batch, seq), int)  # how many keys the query at each position saw
+    steps = []
     for t, counts, strategy in schedule:
         grow = np.full(batch, t) if counts is None else np.asarray(counts)
         # the new tokens of each row, padded to t
@@ -70,17 +54,26 @@ def _session(cache, q, k, v, schedule, *, dtype="float32", **kw):
                                             for b in range(batch)]), dtype) for x in (q, k, v))
         c = None if counts is None else jnp.asarray(counts, jnp.int32)
         cache = cache.append(kc, vc, c)
-        lengths = lengths + grow
         out, lse = ringjax.cache_attention(qc, cache, counts=c, return_lse=True, strategy=strategy, **kw)
         assert out.shape == (batch, t, q.shape[2], v.shape[3]) and out.dtype == jnp.dtype(dtype)
-        _check(out, lse, *_reference(q, k, v, lengths, grow, t, **_ref_kw(kw)), dtype=dtype)
+        steps.append((out, lse, lengths.copy(), grow))
+        for b in range(batch):
+            limit[b, lengths[b]:lengths[b] + grow[b]] = lengths[b] + grow[b]
+        lengths = lengths + grow
     np.testing.assert_array_equal(np.asarray(cache.lengths), lengths)
+    total = int(lengths.max())
+    ref_kw = {"causal": True}  # cache_attention's default
+    ref_kw.update({("window" if name == "sliding_window" else name): np.asarray(value) if hasattr(value, "shape")
+                   else value for name, value in kw.items() if name not in ("config", "implementation")})
+    seen = (np.arange(total)[None, None, :] < limit[:, :total, None])[:, None]  # [B, 1, T, T]
+    ref = attention_reference(q[:, :total], k[:, :total], v[:, :total], counts=seen, **ref_kw)
+    for out, lse, before, grow in steps:
+        want_out, want_lse = np.zeros(out.shape), np.full(lse.shape, -np.inf)  # padding queries: 0, -inf
+        for b in range(batch):
+            rows = slice(before[b], before[b] + grow[b])
+            want_out[b, :grow[b]], want_lse[b, :, :grow[b]] = ref["out"][b, rows], ref["lse"][b, :, rows]
+        _check(out, lse, want_out, want_lse, dtype=dtype)
     return cache
-
-
-def _ref_kw(kw):
-    return {name: np.asarray(value) if hasattr(value, "shape") else value for name, value in kw.items()
-            if name not in ("config", "implementation")}
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
@@ -106,14 +99,12 @@ def test_prefill_strategies(strategy, n):
     _session(cache, q, k, v, [(8, None, strategy), (8, None, strategy), (1, None, "pass_q")], config=SMALL)
 
 
+# each mask and logit feature, two at a time where they are independent
 FEATURES = {
-    "window": dict(sliding_window=3),
-    "soft_cap": dict(logits_soft_cap=2.0),
-    "scale": dict(softmax_scale=0.7),
-    "learnable_sinks": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32)),
-    "sink_tokens": dict(num_sink_tokens=2, sliding_window=3),
-    "alibi": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 1.0], np.float32)),
-    "chunked": dict(chunk_size=5),
+    "window_soft_cap": dict(sliding_window=3, logits_soft_cap=2.0),
+    "alibi_scale": dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 1.0], np.float32), softmax_scale=0.7),
+    "learnable_sinks_chunked": dict(sinks=np.array([0.5, -1.0, 2.0, 0.0], np.float32), chunk_size=5),
+    "sink_tokens_window": dict(num_sink_tokens=2, sliding_window=3),
     "not_causal": dict(causal=False),
     "not_causal_window": dict(causal=False, sliding_window=(3, 1)),
 }
@@ -124,7 +115,7 @@ def test_features(feature):
     kw = {name: jnp.asarray(x) if isinstance(x, np.ndarray) else x for name, x in FEATURES[feature].items()}
     q, k, v = _tokens(hash(feature) % 1000, 2, 20)
     cache = ringjax.KVCache.create(2, 24, KV_HEADS, HEAD_DIM, dtype=jnp.float32, mesh=mesh_of(4))
-    _session(cache, q, k, v, [(12, None, "pass_q"), (4, None, "pass_kv"), (2, None, "auto")], config=SMALL, **kw)
+    _session(cache, q, k, v, [(12, None, "pass_kv"), (2, None, "auto")], config=SMALL, **kw)
 
 
 def test_ragged_rows_via_counts():
