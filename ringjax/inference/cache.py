@@ -228,12 +228,13 @@ class KVCache:
         """
         call = self.call()
         b, kvh = self.k.shape[0], self.k.shape[2]
-        for name, x, dim in (("k_new", k_new, self.head_dim), ("v_new", v_new, self.v_head_dim)):
+        for name, x, dim, dim_name in (("k_new", k_new, self.head_dim, "head_dim"),
+                                       ("v_new", v_new, self.v_head_dim, "v_head_dim")):
             if not hasattr(x, "shape") or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
                 raise TypeError(f"{name} must be a floating-point array, got {type(x).__name__}")
             if x.ndim != 4 or x.shape[0] != b or x.shape[2] != kvh or x.shape[3] != dim or x.shape[1] < 1:
-                raise ValueError(f"{name} must have shape [batch, t, kv_heads, {'head_dim' if name == 'k_new' else 'v_head_dim'}]"
-                                 f" = ({b}, t, {kvh}, {dim}) with t >= 1, got {x.shape}")
+                raise ValueError(f"{name} must have shape [batch, t, kv_heads, {dim_name}] = ({b}, t, {kvh}, {dim}) "
+                                 f"with t >= 1, got {x.shape}")
         t = k_new.shape[1]
         if v_new.shape[1] != t:
             raise ValueError(f"k_new and v_new must hold the same tokens, got t = {t} and {v_new.shape[1]}")

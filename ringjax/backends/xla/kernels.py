@@ -13,8 +13,14 @@ from jax import lax
 from ringjax import _compat
 from ringjax.backends.xla.config import XlaCacheConfig, XlaConfig
 from ringjax.core.masks import BlockRange, Extras, TokenInfo, may_skip, maybe_visible, visible, visible_pairs
-from ringjax.core.modifiers import (alibi_distance, alibi_distance_pairs, dropout_batch_head, dropout_keep, logits,
-                                    logits_and_slope)
+from ringjax.core.modifiers import (
+    alibi_distance,
+    alibi_distance_pairs,
+    dropout_batch_head,
+    dropout_keep,
+    logits,
+    logits_and_slope,
+)
 from ringjax.core.precision import DEFAULT, dot_precision
 from ringjax.core.schedule import reach
 from ringjax.core.tiles import Tiling, block_ranges, pick_block
