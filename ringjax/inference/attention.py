@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from ringjax import _compat
 from ringjax.core import precision
 from ringjax.core.masks import Extras
 from ringjax.dispatch import calling, registry
@@ -55,8 +56,9 @@ def cache_attention(
     Positions are global, so the mask and logit options mean what they mean in `ring_attention`;
     heads a multiple of the cache's kv_heads (GQA).
 
-    Outside shard_map q is a global array; inside `shard_map` over the cache's axis q is the same on
-    every device, or with strategy="pass_kv" this device's contiguous block of the t queries.
+    Outside shard_map q is a global array, and so are the results (replicated over the cache's axis);
+    inside `shard_map` over the cache's axis q is the same on every device, or with strategy="pass_kv"
+    this device's contiguous block of the t queries (and the results are that block's).
     `strategy` ("auto", "pass_q", "pass_kv") says which of queries or cache stripes travel
     (`ringjax.inference.spread`). Returns out [batch, t, heads, v_head_dim] in q's dtype and, with
     `return_lse`, lse [batch, heads, t] float32.
@@ -137,6 +139,9 @@ def cache_attention(
     out, lse = calling.run(call, per_device, (q, cache.k, cache.v, cache.lengths, counts, sinks, alibi_slopes),
                            (q_role, SEQ, SEQ, ROWS, ROWS, HEADS, HEADS), out_roles,
                            key=(OP, reg.name, strategy, problem, config, t_total))
+    if call.is_global and strategy == "pass_kv":
+        # global results are replicated over the axis whatever the strategy (one all-gather of the outputs)
+        out, lse = (_compat.reshard(x, call.mesh, call.spec(ROWS)) for x in (out, lse))
     return (out, lse) if return_lse else out
 
 

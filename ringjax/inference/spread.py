@@ -3,7 +3,7 @@
 - "pass_q": every device attends all t queries to its own stripe of the cache; the partial results
   merge by their lse with one pmax and one psum (the decode path: queries are replicated anyway).
 - "pass_kv": every device keeps one contiguous block of t / n queries while the cache stripes travel
-  the ring (n - 1 `ppermute`s); results stay sharded like the queries (prefill of a long chunk).
+  the ring (n - 1 `ppermute`s), then the blocks' outputs are gathered (prefill of a long chunk).
 
 Both compute the same pairs; they differ in the bytes they move, which `transfer_bytes` counts.
 """
@@ -28,13 +28,15 @@ def check_strategy(strategy) -> None:
 def transfer_bytes(strategy: str, *, batch: int, t: int, heads: int, kv_heads: int, head_dim: int, v_head_dim: int,
                    itemsize: int, slots: int, axis_size: int) -> float:
     """Bytes one device receives for one call: pass_q all-reduces the float32 partial outputs and
-    their weights of all t queries; pass_kv receives the n - 1 other stripes of `slots` slots each."""
+    their weights of all t queries; pass_kv receives the n - 1 other stripes of `slots` slots each,
+    then gathers the other blocks' outputs."""
     n = axis_size
     if n == 1:
         return 0.0
     if strategy == "pass_q":
         return 2 * (n - 1) / n * batch * t * heads * (v_head_dim + 1) * 4
-    return float((n - 1) * batch * slots * kv_heads * (head_dim + v_head_dim) * itemsize)
+    stripes = (n - 1) * batch * slots * kv_heads * (head_dim + v_head_dim) * itemsize
+    return float(stripes + (n - 1) / n * batch * t * heads * v_head_dim * itemsize)
 
 
 def choose(strategy: str, *, local: bool, **shape) -> tuple[str, str]:
