@@ -26,7 +26,7 @@ class XlaCacheConfig(KernelConfig):
 
     block_q: int = 64
     block_kv: int = 512
-    max_scores: int = 1 << 24  # float32 scores live at once per step (64 MiB)
+    max_scores: int = 1 << 25  # float32 scores live at once per step (128 MiB): 1M slots for 32 heads, t=1
 
     def __post_init__(self):
         self._check_ints(("block_q", "block_kv", "max_scores"), lambda v: v >= 1, "a positive int")

@@ -265,11 +265,15 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             j, m, denom, acc = state
             # the last step may start early to stay inside the stripe; slots before j*step were read already
             start = jnp.minimum(j * step, slots - step)
-            take = lambda x: lax.dynamic_slice_in_dim(x, start, step, axis=1)  # noqa: E731
+
+            def take(x, axis=1):
+                # one step covering the stripe reads it whole: no slice for XLA to copy
+                return x if step == slots else lax.dynamic_slice_in_dim(x, start, step, axis=axis)
+
             kc = take(k).reshape(b, nc, chunk, kvh, -1)
             vc = take(v).reshape(b, nc, chunk, kvh, dv)
             slot = (start + jnp.arange(step, dtype=jnp.int32)).reshape(1, nc, 1, 1, 1, chunk)
-            kp = lax.dynamic_slice_in_dim(k_pos, start, step).reshape(1, nc, 1, 1, 1, chunk)
+            kp = take(k_pos, axis=0).reshape(1, nc, 1, 1, 1, chunk)
             qk = jnp.einsum("bhgqd,bnchd->bnhgqc", qg, kc, preferred_element_type=jnp.float32, precision=prec)
             s = logits(qk, opts)
             if slopes is not None:
