@@ -7,6 +7,7 @@ each device and every read spreads over all devices; each device holds capacity 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -262,19 +263,14 @@ class KVCache:
 
 def _zeros(shape, dtype, mesh, spec):
     """Zeros created directly in their shards (never whole on one device)."""
-    if isinstance(mesh, jax.sharding.Mesh) and not isinstance(jnp.zeros(()), jax.core.Tracer):
+    if isinstance(mesh, jax.sharding.Mesh):
         return _zeros_jit(shape, jnp.dtype(dtype), NamedSharding(mesh, spec))()
-    return _compat.reshard(jnp.zeros(shape, dtype), mesh, spec)
+    return _compat.reshard(jnp.zeros(shape, dtype), mesh, spec)  # an abstract mesh: inside a trace
 
 
-_ZEROS: dict = {}
-
-
+@functools.lru_cache(maxsize=32)
 def _zeros_jit(shape, dtype, sharding):
-    key = (shape, dtype, sharding)
-    if key not in _ZEROS:
-        _ZEROS[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return _ZEROS[key]
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 def write_stripe(k, v, lengths, k_new, v_new, counts, *, shard, axis_size: int, capacity: int):
