@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
@@ -17,6 +19,7 @@ from ringjax.merge import add_sinks
 from ringjax.options import checked_keywords, make_options, option_inputs
 
 OP = "cache_attention"
+_LOG = logging.getLogger("ringjax.implementation")  # what runs, once per compiled call
 
 
 def _check_heads_array(x, name: str, heads: int) -> None:
@@ -116,7 +119,7 @@ def cache_attention(
     elif not isinstance(config, impl.config_type):
         raise TypeError(f"config must be a {impl.config_type.__name__} for implementation {reg.name!r}, "
                         f"got {type(config).__name__}")
-    strategy, _ = spread.choose(strategy, local=call.mode == "local", batch=batch // ways, t=t_total, heads=heads,
+    strategy, why = spread.choose(strategy, local=call.mode == "local", batch=batch // ways, t=t_total, heads=heads,
                                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=cache.v_head_dim,
                                 itemsize=jnp.dtype(q.dtype).itemsize, slots=cache.local_slots, axis_size=n)
     if strategy == "pass_kv" and t_total % n:
@@ -138,7 +141,11 @@ def cache_attention(
     q_role, out_roles = (TOKENS, (TOKENS, LSE)) if strategy == "pass_kv" else (ROWS, (ROWS, ROWS))
     out, lse = calling.run(call, per_device, (q, cache.k, cache.v, cache.lengths, counts, sinks, alibi_slopes),
                            (q_role, SEQ, SEQ, ROWS, ROWS, HEADS, HEADS), out_roles,
-                           key=(OP, reg.name, strategy, problem, config, t_total))
+                           key=(OP, reg.name, strategy, problem, config, t_total),
+                           on_compile=lambda: _LOG.info(
+                               f"{OP}/{reg.name}: {config}; strategy {strategy} ({why}); per device: batch "
+                               f"{problem.batch}, t {t_total}, heads {heads}/{kv_heads} kv, head_dim {head_dim}, "
+                               f"{cache.local_slots} cache slots, {q.dtype}"))
     if call.is_global and strategy == "pass_kv":
         # global results are replicated over the axis whatever the strategy (one all-gather of the outputs)
         out, lse = (_compat.reshard(x, call.mesh, call.spec(ROWS)) for x in (out, lse))
