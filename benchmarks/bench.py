@@ -23,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+from ringjax.backends.xla import XlaCacheConfig
 
 from common import (
     FWD_BWD,
@@ -526,14 +527,19 @@ def run_decode(args, rec: Recorder):
                                 **fields)
 
                 ours = None
-                try:
-                    fn = jax.jit(lambda q, cache: ringjax.cache_attention(q, cache, implementation=args.implementation))
-                    ours = fn(q, cache)
-                    seconds = timeit(fn, q, cache, reps=args.reps, warmup=args.warmup, budget_s=args.budget)
-                    rec.add({**case, "library": "ringjax", "implementation": args.implementation},
-                            **row(seconds, devices=n, over=n))
-                except Exception as e:  # noqa: BLE001
-                    rec.add({**case, "library": "ringjax", "implementation": args.implementation}, error=failure(e))
+                for variant in [args.implementation] + (["xla-reduce"] if args.reduce else []):
+                    # xla-reduce: the XLA partials with QK and PV as multiply-and-reduce fusions, not dots
+                    kw = (dict(implementation="xla", config=XlaCacheConfig(dots=False)) if variant == "xla-reduce"
+                          else dict(implementation=variant))
+                    mine = {**case, "library": "ringjax", "implementation": variant}
+                    try:
+                        fn = jax.jit(lambda q, cache, kw=kw: ringjax.cache_attention(q, cache, **kw))
+                        out = fn(q, cache)
+                        ours = out if ours is None else ours
+                        seconds = timeit(fn, q, cache, reps=args.reps, warmup=args.warmup, budget_s=args.budget)
+                        rec.add(mine, **row(seconds, devices=n, over=n))
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(mine, error=failure(e))
                 # jax.nn on the whole cache on one device (in position order), not causal: for t=1 the same
                 # function; for t>1 the same bytes
                 device = jax.devices()[0]
@@ -998,6 +1004,8 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--caches", type=ints, help="cache lengths in tokens (default 131072,1048576)")
             s.add_argument("--ts", type=ints, help="query tokens per call (default 1,4)")
             s.add_argument("--copy-bytes", type=int, help="bytes of the HBM copy measurement (default 4 GiB)")
+            s.add_argument("--no-reduce", dest="reduce", action="store_false",
+                           help="skip the xla-reduce rows (XlaCacheConfig(dots=False))")
         if name == "million":
             s.add_argument("--tokens", type=int, help="total tokens (default 1048576)")
             s.add_argument("--check-max-tokens", type=int, default=32768,

@@ -128,7 +128,8 @@ def check_decode(rows):
     cases = [(r["case"]["cache"], r["case"]["batch"], r["case"]["t"], r["case"]["library"], r["case"]["implementation"])
              for r in rows]
     assert cases == [(c, b, t, lib, impl) for c in (256, 512) for b in (1, 2) for t in (1, 4)
-                     for lib, impl in (("ringjax", "auto"), ("jax.nn", "xla"), ("jax.nn", "cudnn"))]
+                     for lib, impl in (("ringjax", "auto"), ("ringjax", "xla-reduce"), ("jax.nn", "xla"),
+                                       ("jax.nn", "cudnn"))]
     for r in rows:
         c = r["case"]
         if c["implementation"] == "cudnn":  # needs a GPU: skipped, with the reason

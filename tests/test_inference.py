@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import ringjax
 from ringjax.backends.xla import XlaCacheConfig
 from ringjax.backends.xla.kernels import cache_partials
+from ringjax.core.masks import Extras
 from ringjax.options import AttentionOptions
 
 from harness import TOLERANCE, mesh_of, rel_err, tolerance_key
@@ -294,6 +295,23 @@ def test_partials_fully_masked_rows_are_zero_not_nan():
     p = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("hk,khd->hd", p / p.sum(-1, keepdims=True), np.repeat(np.asarray(v[0, :4]), 2, axis=1))
     np.testing.assert_allclose(np.asarray(out[0, 2]), want, rtol=1e-5, atol=1e-6)
+
+
+def test_partials_as_dots_or_reductions_agree():
+    """XlaCacheConfig(dots=False) computes QK and PV as multiply-and-reduce fusions: the same results."""
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 3, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 12, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 12, 2, 8)), jnp.float32)
+    q_pos = jnp.asarray([[20, 21, 22], [5, 6, 7]], jnp.int32)
+    k_pos = jnp.arange(12, dtype=jnp.int32) * 2
+    opts = AttentionOptions(causal=True, softmax_scale=0.3, window=(9, 0), logits_soft_cap=3.0, has_alibi=True)
+    extras = Extras(alibi_slopes=jnp.asarray([0.1, 0.2, 0.3, 0.4]))
+    results = [cache_partials(q, k, v, q_pos, k_pos, jnp.asarray([23, 8]), opts, extras=extras,
+                              config=XlaCacheConfig(block_q=2, block_kv=4, max_scores=64, dots=dots))
+               for dots in (True, False)]
+    for a, b in zip(*results):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
 def test_strategy_cost_rule():

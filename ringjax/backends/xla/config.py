@@ -27,6 +27,10 @@ class XlaCacheConfig(KernelConfig):
     block_q: int = 64
     block_kv: int = 512
     max_scores: int = 1 << 25  # float32 scores live at once per step (128 MiB): 1M slots for 32 heads, t=1
+    # QK and PV as dots (XLA may lay K / V out again for them), or as float32 multiply-and-reduce
+    # fusions that read K and V where they lie (few query rows: decode is memory-bound)
+    dots: bool = True
 
     def __post_init__(self):
         self._check_ints(("block_q", "block_kv", "max_scores"), lambda v: v >= 1, "a positive int")
+        self._check_bools(("dots",))

@@ -274,7 +274,11 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             vc = take(v).reshape(b, nc, chunk, kvh, dv)
             slot = (start + jnp.arange(step, dtype=jnp.int32)).reshape(1, nc, 1, 1, 1, chunk)
             kp = take(k_pos, axis=0).reshape(1, nc, 1, 1, 1, chunk)
-            qk = jnp.einsum("bhgqd,bnchd->bnhgqc", qg, kc, preferred_element_type=jnp.float32, precision=prec)
+            if config.dots:
+                qk = jnp.einsum("bhgqd,bnchd->bnhgqc", qg, kc, preferred_element_type=jnp.float32, precision=prec)
+            else:  # [B, 1, KVH, G, t, 1, D] * [B, nc, KVH, 1, 1, chunk, D], summed over D
+                k7 = jnp.moveaxis(kc, 3, 2)[:, :, :, None, None].astype(jnp.float32)
+                qk = (qg[:, None, :, :, :, None].astype(jnp.float32) * k7).sum(-1)
             s = logits(qk, opts)
             if slopes is not None:
                 s = s + slopes * alibi_distance_pairs(qp, kp)
@@ -285,8 +289,12 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             # split-K: every chunk's max, sum and P V at once, then merged by their max
             m_c = s.max(axis=-1)
             p = jnp.exp(s - finite_or_zero(m_c)[..., None])  # exactly 0 where masked
-            pv = jnp.einsum("bnhgqc,bnchd->bnhgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32,
-                            precision=prec)
+            if config.dots:
+                pv = jnp.einsum("bnhgqc,bnchd->bnhgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32,
+                                precision=prec)
+            else:  # [B, nc, KVH, G, t, chunk, 1] * [B, nc, KVH, 1, 1, chunk, Dv], summed over the chunk
+                v7 = jnp.moveaxis(vc, 3, 2)[:, :, :, None, None].astype(jnp.float32)
+                pv = (p.astype(v.dtype).astype(jnp.float32)[..., None] * v7).sum(-2)
             m_new = jnp.maximum(m, m_c.max(axis=1))
             m_safe = finite_or_zero(m_new)
             alpha = jnp.exp(m - m_safe)
