@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+from ringjax.backends.xla import XlaCacheConfig
 
 from common import (
     FWD_BWD,
@@ -469,6 +471,102 @@ def run_million(args, rec: Recorder):
             tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check)
 
 
+def copy_rate(device, nbytes: int, args) -> float:
+    """GB/s of one elementwise pass over `nbytes` on `device`: half read, half written (the HBM copy rate)."""
+    x = jax.device_put(jnp.zeros((nbytes // 4,), jnp.bfloat16), device)
+    fn = jax.jit(lambda x: x + 1)
+    seconds = timeit(fn, x, reps=args.reps, warmup=args.warmup, budget_s=args.budget)
+    del x
+    return nbytes / seconds / 1e9
+
+
+def decode_cache(mesh, shape: Shape, batch: int, tokens: int, seed: int = 0):
+    """A KVCache of `tokens` random tokens per row, full, made in place on the mesh (no appends)."""
+    n = mesh.shape["sp"]
+    cache = ringjax.KVCache.create(batch, tokens, shape.kv_heads, shape.head_dim, dtype=shape.dtype, mesh=mesh)
+    sharding = cache.k.sharding
+
+    @functools.partial(jax.jit, out_shardings=(sharding, sharding))
+    def make(key):
+        ka, kb = jax.random.split(key)
+        dims = (batch, tokens, shape.kv_heads, shape.head_dim)
+        return jax.random.normal(ka, dims, shape.dtype), jax.random.normal(kb, dims, shape.dtype)
+
+    k, v = make(jax.random.key(seed))
+    lengths = jax.device_put(jnp.full((batch,), tokens, jnp.int32), cache.lengths.sharding)
+    return cache.replace(k=k, v=v, lengths=lengths), n
+
+
+def run_decode(args, rec: Recorder):
+    """Decode against a full cache: GB/s of K/V read by ringjax's cache_attention (cache sharded over N
+    devices) and by jax.nn.dot_product_attention (xla, cuDNN) on the same data on one device, against
+    the HBM copy rate measured here."""
+    shape, n = args.shape, args.devices
+    mesh = make_mesh((n,), ("sp",))
+    copy_gbps = significant(copy_rate(jax.devices()[0], args.copy_bytes, args))
+    say(f"HBM copy rate: {copy_gbps} GB/s per device ({args.copy_bytes / 2**30:.3g} GiB read + written)")
+    itemsize = jnp.dtype(shape.dtype).itemsize
+    for cache_len in args.caches:
+        for batch in args.batches:
+            try:
+                cache, _ = decode_cache(mesh, shape, batch, cache_len)
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory
+                rec.add({**dataclasses.asdict(shape), "batch": batch, "cache": cache_len, "t": 0,
+                         "library": "ringjax", "devices": n}, error=failure(e))
+                continue
+            kv_bytes = batch * cache_len * shape.kv_heads * 2 * shape.head_dim * itemsize
+            for t in args.ts:
+                case = {**dataclasses.asdict(shape), "batch": batch, "cache": cache_len, "t": t, "devices": n}
+                q = jax.random.normal(jax.random.key(t), (batch, t, shape.heads, shape.head_dim), shape.dtype)
+
+                def row(seconds, **fields):
+                    gbps = kv_bytes / seconds / 1e9
+                    return dict(ms=significant(seconds * 1e3), gbps=significant(gbps),
+                                gbps_per_device=significant(gbps / fields.pop("devices")),
+                                of_copy=significant(gbps / fields.pop("over") / copy_gbps), copy_gbps=copy_gbps,
+                                **fields)
+
+                ours = None
+                for variant in [args.implementation] + (["xla-reduce"] if args.reduce else []):
+                    # xla-reduce: the XLA partials with QK and PV as multiply-and-reduce fusions, not dots
+                    kw = (dict(implementation="xla", config=XlaCacheConfig(dots=False)) if variant == "xla-reduce"
+                          else dict(implementation=variant))
+                    mine = {**case, "library": "ringjax", "implementation": variant}
+                    try:
+                        fn = jax.jit(lambda q, cache, kw=kw: ringjax.cache_attention(q, cache, **kw))
+                        out = fn(q, cache)
+                        ours = out if ours is None else ours
+                        seconds = timeit(fn, q, cache, reps=args.reps, warmup=args.warmup, budget_s=args.budget)
+                        rec.add(mine, **row(seconds, devices=n, over=n))
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(mine, error=failure(e))
+                # jax.nn on the whole cache on one device (in position order), not causal: for t=1 the same
+                # function; for t>1 the same bytes
+                device = jax.devices()[0]
+                try:
+                    k, v = (jax.device_put(x, device) for x in cache.ordered())
+                    qd = jax.device_put(q, device)
+                except Exception as e:  # noqa: BLE001
+                    rec.add({**case, "library": "jax.nn", "devices": 1}, error=failure(e))
+                    continue
+                for impl in ("xla", "cudnn"):
+                    other = {**case, "devices": 1, "library": "jax.nn", "implementation": impl}
+                    why = unavailable("cudnn") if impl == "cudnn" else None
+                    if why:
+                        rec.add(other, skipped=why)
+                        continue
+                    try:
+                        fn = jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=impl))
+                        out = fn(qd, k, v)
+                        seconds = timeit(fn, qd, k, v, reps=args.reps, warmup=args.warmup, budget_s=args.budget)
+                        check = errors(ours, out) if t == 1 and ours is not None else {}
+                        rec.add(other, **row(seconds, devices=1, over=1), **check)
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(other, error=failure(e))
+                del k, v, qd
+            del cache
+
+
 # ----------------------------------------------------------------------------- markdown and plots
 
 
@@ -603,6 +701,14 @@ def table_million(rows):
             for r in rows if "seconds" in r]
     return markdown_table(["tokens", "devices", "implementation", "fwd+bwd s", "TFLOP/s per device",
                            "peak GiB per device", "rel err vs one device"], body)
+
+
+def table_decode(rows):
+    body = [[c["batch"], kilo(c["cache"]), c["t"], c["library"], c.get("implementation"), c["devices"], r.get("ms"),
+             r.get("gbps"), r.get("gbps_per_device"), r.get("of_copy"), r.get("rel_err")]
+            for r in rows if "ms" in r for c in (r["case"],)]
+    return markdown_table(["batch", "cache", "t", "library", "implementation", "devices", "ms", "GB/s",
+                           "GB/s per device", "of HBM copy", "rel err (t=1)"], body)
 
 
 def render(suite: str, rows: list[dict]) -> str:
@@ -821,6 +927,18 @@ SUITES = {
                 "peak_bytes_in_use of memory_stats() over the devices.",
         label="tokens",
         devices="all", defaults={"tokens": 1 << 20, "reps": 1, "warmup": 1}, tiny={"tokens": 2048}),
+    "decode": Suite(
+        run_decode, table_decode, None,
+        help="decode against a full KV cache: GB/s of K/V read, ringjax (cache over all local devices) vs "
+             "jax.nn xla / cuDNN (one device), against the HBM copy rate",
+        caption="One cache_attention call per row against a full cache (causal); jax.nn.dot_product_attention on "
+                "the same K/V on one device, not causal (the same function at t=1, the same bytes at t>1). GB/s: "
+                "K and V bytes of the cache over the median time; of HBM copy: GB/s per device over the rate of "
+                "one elementwise pass (read + write) measured in the same process. rel err: ringjax against "
+                "jax.nn xla at t=1.",
+        label="library", devices="all",
+        defaults={"batches": [1, 8], "caches": [1 << 17, 1 << 20], "ts": [1, 4], "copy_bytes": 4 << 30},
+        tiny={"batches": [1, 2], "caches": [256, 512], "ts": [1, 4], "copy_bytes": 8 << 20}),
 }
 SHAPE = {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "reps": 10, "warmup": 2}
 TINY_SHAPE = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 32, "dtype": "bfloat16", "reps": 2, "warmup": 1}
@@ -881,6 +999,13 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--precisions", type=lambda x: x.split(","),
                            help="comma-separated jax matmul precisions (default default,highest; also e.g. "
                                 "tensorfloat32, F32_F32_F32)")
+        if name == "decode":
+            s.add_argument("--batches", type=ints, help="batch sizes (default 1,8)")
+            s.add_argument("--caches", type=ints, help="cache lengths in tokens (default 131072,1048576)")
+            s.add_argument("--ts", type=ints, help="query tokens per call (default 1,4)")
+            s.add_argument("--copy-bytes", type=int, help="bytes of the HBM copy measurement (default 4 GiB)")
+            s.add_argument("--no-reduce", dest="reduce", action="store_false",
+                           help="skip the xla-reduce rows (XlaCacheConfig(dots=False))")
         if name == "million":
             s.add_argument("--tokens", type=int, help="total tokens (default 1048576)")
             s.add_argument("--check-max-tokens", type=int, default=32768,

@@ -5,6 +5,7 @@ from ringjax.api import ring_attention
 from ringjax.dilated import dilated_attention
 from ringjax.dispatch.autotuning import TuneSettings, autotune
 from ringjax.dispatch.registry import config_from_json, config_to_json, list_implementations
+from ringjax.inference import KVCache, cache_attention
 from ringjax.layouts import from_layout, to_layout
 from ringjax.merge import merge_attention, merge_attention_many
 from ringjax.options import AttentionOptions
@@ -12,8 +13,10 @@ from ringjax.packed import ring_attention_kvpacked, ring_attention_qkvpacked, ri
 
 __all__ = [
     "AttentionOptions",
+    "KVCache",
     "TuneSettings",
     "autotune",
+    "cache_attention",
     "config_from_json",
     "config_to_json",
     "dilated_attention",

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
-SUITES = ("step", "ring", "strategies", "coverage", "precision", "million")
+SUITES = ("step", "ring", "strategies", "coverage", "precision", "million", "decode")
 DEVICES = 4
 BF16_ERR = 2e-2  # bf16 outputs against a float32 or another bf16 computation of the same attention
 
@@ -124,8 +124,27 @@ def check_million(rows):
     assert r["peak_gib_per_device"] is None and "memory_stats" in r["memory_note"]  # CPU reports no peak
 
 
+def check_decode(rows):
+    cases = [(r["case"]["cache"], r["case"]["batch"], r["case"]["t"], r["case"]["library"], r["case"]["implementation"])
+             for r in rows]
+    assert cases == [(c, b, t, lib, impl) for c in (256, 512) for b in (1, 2) for t in (1, 4)
+                     for lib, impl in (("ringjax", "auto"), ("ringjax", "xla-reduce"), ("jax.nn", "xla"),
+                                       ("jax.nn", "cudnn"))]
+    for r in rows:
+        c = r["case"]
+        if c["implementation"] == "cudnn":  # needs a GPU: skipped, with the reason
+            assert "GPU" in r["skipped"]
+            continue
+        assert c["devices"] == (DEVICES if c["library"] == "ringjax" else 1)
+        assert r["ms"] > 0 and r["copy_gbps"] > 0 and r["of_copy"] > 0
+        kv_bytes = c["batch"] * c["cache"] * c["kv_heads"] * 2 * c["head_dim"] * 2
+        assert abs(r["gbps"] - kv_bytes / r["ms"] / 1e6) <= 1e-3 * r["gbps"]
+        if c["library"] == "jax.nn" and c["t"] == 1:
+            assert r["rel_err"] < BF16_ERR  # ringjax's output against jax.nn's on the same data
+
+
 CHECKS = {"step": check_step, "ring": check_ring, "strategies": check_strategies, "coverage": check_coverage,
-          "precision": check_precision, "million": check_million}
+          "precision": check_precision, "million": check_million, "decode": check_decode}
 
 
 @pytest.mark.parametrize("suite", SUITES)

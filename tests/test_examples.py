@@ -83,3 +83,16 @@ def test_long_context_stops_at_out_of_memory(tmp_path, monkeypatch):
     result = long_context.main(["--start", "64", "--max-seq", "256", "--methods", "dense", "--heads", "2",
                                 "--kv-heads", "2", "--head-dim", "16", "--out-dir", str(tmp_path)])
     assert [(r["seq_len"], r["status"]) for r in result["rows"]] == [(64, "OOM")]
+
+
+def test_generate_decodes_with_a_sharded_cache(capsys):
+    _need(8)
+    generate = _load("generate")
+    result = generate.main(["--steps", "5", "--prompt-len", "16", "--layers", "2", "--d-model", "32", "--heads", "4",
+                            "--kv-heads", "2", "--vocab", "64"])
+    assert result["devices"] == 8 and result["tokens"].shape == (2, 5)
+    # the cached logits are those of one call on the whole sequence
+    assert result["max_rel_err"] < 1e-5
+    assert result["lengths"].tolist() == [21, 21]  # the prompt and every generated token but the last
+    assert result["tokens_per_s"] > 0
+    assert "tokens/s" in capsys.readouterr().out

@@ -59,7 +59,7 @@ def _nnx(axis_name, layout, kw):
     model = MultiHeadAttention(FEATURES, HEADS, num_kv_heads=KV_HEADS, axis_name=axis_name, layout=layout,
                                rngs=nnx.Rngs(0), **kw)
     graphdef, state = nnx.split(model)
-    return (lambda p, x, seg: nnx.merge(graphdef, p)(x, segment_ids=seg)), state
+    return (lambda p, x, seg, **kw: nnx.merge(graphdef, p)(x, segment_ids=seg, **kw)), state
 
 
 def _linen(axis_name, layout, kw):
@@ -68,7 +68,7 @@ def _linen(axis_name, layout, kw):
     model = LinenMultiHeadAttention(HEADS, num_kv_heads=KV_HEADS, axis_name=axis_name, layout=layout, **kw)
     # parameters do not depend on the axis; init runs the forward, so do it unsharded
     params = jax.eval_shape(model.clone(axis_name=None).init, jax.random.key(0), jnp.zeros((BATCH, SEQ, FEATURES)))
-    return (lambda p, x, seg: model.apply(p, x, segment_ids=seg)), params
+    return (lambda p, x, seg, **kw: model.apply(p, x, segment_ids=seg, **kw)), params
 
 
 def _equinox(axis_name, layout, kw):
@@ -79,7 +79,7 @@ def _equinox(axis_name, layout, kw):
     model = MultiHeadAttention(FEATURES, HEADS, num_kv_heads=KV_HEADS, axis_name=axis_name, layout=layout,
                                key=jax.random.key(0), **kw)
     params, static = eqx.partition(model, eqx.is_array)
-    return (lambda p, x, seg: eqx.combine(p, static)(x, segment_ids=seg)), params
+    return (lambda p, x, seg, **kw: eqx.combine(p, static)(x, segment_ids=seg, **kw)), params
 
 
 LAYERS = {"nnx": _nnx, "linen": _linen, "equinox": _equinox}
@@ -138,6 +138,26 @@ def test_sharded_layer_matches_unsharded(framework, layout):
         assert np.abs(np.asarray(want)).max() > 0, f"{jax.tree_util.keystr(path)} has a zero gradient"
         err = rel_err(got, want)
         assert err < 1e-5, f"{framework}/{layout} d{jax.tree_util.keystr(path)}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("framework", [pytest.param(name, marks=MARKS[name]) for name in sorted(LAYERS)])
+def test_decode_with_a_cache_matches_the_full_sequence(framework):
+    """A prompt, then one token at a time into a cache sharded over 4 devices: the outputs of the whole
+    sequence in one call (rotary embeddings at global positions, window, soft cap, sinks)."""
+    kw = dict(causal=True, use_sinks=True, sliding_window=5, logits_soft_cap=5.0)
+    apply, params = LAYERS[framework](None, "contiguous", kw)
+    params = _randomize(params, seed=7)
+    x = _inputs(seed=8)[0][:, :12]
+    with jax.default_matmul_precision("highest"):
+        full = jax.jit(apply)(params, x, None)
+        step = jax.jit(lambda p, x, cache: apply(p, x, None, cache=cache))
+        cache = ringjax.KVCache.create(BATCH, 16, KV_HEADS, FEATURES // HEADS, dtype=jnp.float32, mesh=_mesh())
+        outs = []
+        for lo, hi in [(0, 6)] + [(i, i + 1) for i in range(6, 12)]:
+            y, cache = step(params, x[:, lo:hi], cache)
+            outs.append(y)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
+    assert rel_err(np.concatenate(outs, axis=1), full) < 1e-5
 
 
 @needs_equinox

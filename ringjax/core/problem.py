@@ -79,6 +79,29 @@ class Implementation(Protocol):
         """Per-device, differentiable: (out, lse). `extras` is a masks.Extras."""
 
 
+class CacheImplementation(Protocol):
+    """What a backend module exposes for the `cache_attention` op (e.g. `CACHE_IMPLEMENTATION`)."""
+
+    name: str
+    config_type: type
+
+    def supports(self, problem: Problem) -> str | None:
+        """None if the problem (`seq`: the device's cache slots) can run, else a reason a person can act on."""
+
+    def default_config(self, problem: Problem) -> Any:
+        """The heuristic config for this problem."""
+
+    def partials(self, q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, *, extras=None,
+                 config=None) -> tuple[Any, Any]:
+        """Queries against one device's cache slots: (out f32 [B, t, H, Dv], lse f32 [B, t, H]).
+
+        q [B, t, H, D]; k [B, S, KVH, D], v [B, S, KVH, Dv]; q_pos [B, t] int32 global query positions;
+        k_pos [S] int32 ascending global positions of the slots; k_len [B] int32: a slot is a real key of
+        row b iff k_pos < k_len[b], and then `opts`' mask rules apply. Rows that see no key: out 0, lse -inf.
+        `extras` (a masks.Extras) carries the ALiBi slopes when opts.has_alibi.
+        """
+
+
 def unknown_options(opts: AttentionOptions, known: frozenset[str]) -> list[str]:
     """Options set away from their defaults that are not in `known`.
 

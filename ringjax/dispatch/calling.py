@@ -31,6 +31,7 @@ SEQ = "seq"  # [batch, seq] (segment ids)
 HEADS = "heads"  # [heads] (sinks, ALiBi slopes)
 REPLICATED = "replicated"  # the same on every device (a dropout seed)
 LSE = "lse"  # [batch, heads, seq]
+ROWS = "rows"  # [batch, ...] replicated over the sequence axes (cache_attention's queries, a cache's lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Call:
             HEADS: P(h),
             REPLICATED: P(),
             LSE: P(b, h, self.axis_name),
+            ROWS: P(b),
         }[role]
 
     def local_shape(self, batch: int, seq: int, heads: int) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ringjax.api import ring_attention
+from ringjax.inference import KVCache, cache_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
 from ringjax.options import KEYWORDS_BY_NAME, _static_number, make_options, option_inputs
 from ringjax.strategies.spread import check_strategy
@@ -161,12 +162,18 @@ def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict
     return params
 
 
-def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions=None, dtype=None):
+def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions=None, dtype=None, cache=None,
+            counts=None):
     """x [batch, seq, in_features] -> [batch, seq, out_features].
 
     Rotary embeddings use `positions` if given ([seq] or [batch, seq] global token
     positions), else the true positions of x's rows for cfg.axis_name / cfg.layout.
     `dtype` is the computation dtype (None: promote x and the parameters).
+
+    With a `cache` (a `ringjax.KVCache`), x holds the next tokens of each row (a prompt, a chunk of
+    one, or one token): their keys and values are appended (`counts`: per-row counts of a ragged
+    append) and they attend to everything the cache holds with `cache_attention`, rotary embeddings
+    at their global positions (each row's length onwards); returns (y, the new cache).
     """
     if not hasattr(x, "ndim") or x.ndim != 3:
         raise ValueError(f"x must have shape [batch, seq, features], got {getattr(x, 'shape', type(x).__name__)}")
@@ -178,6 +185,13 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
     q = jnp.einsum("btf,fhd->bthd", x, params["q"].astype(dtype))
     k = jnp.einsum("btf,fhd->bthd", x, params["k"].astype(dtype))
     v = jnp.einsum("btf,fhd->bthd", x, params["v"].astype(dtype))
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a ringjax.KVCache, got {type(cache).__name__}")
+        if segment_ids is not None:
+            raise ValueError("segment_ids does not apply with a cache: each row of the cache is one sequence")
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
     if cfg.rope_base is not None:
         seq = x.shape[1]
         if positions is None:
@@ -189,6 +203,12 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         k = apply_rotary(k, positions, base=cfg.rope_base)
     elif positions is not None:
         raise ValueError("positions is only used by rotary embeddings, which this layer has off (rope_base=None)")
+    if cache is not None:
+        cache = cache.append(k, v, counts)
+        out = cache_attention(q.astype(cache.dtype), cache, counts=counts, sinks=params.get("sinks"),
+                              causal=cfg.causal, sliding_window=cfg.sliding_window, softmax_scale=cfg.softmax_scale,
+                              logits_soft_cap=cfg.logits_soft_cap).astype(dtype)
+        return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype)), cache
     out = ring_attention(q, k, v, segment_ids=segment_ids, sinks=params.get("sinks"), **cfg.ring_keywords())
     return jnp.einsum("bthd,hdf->btf", out, params["o"].astype(dtype))
 
@@ -199,8 +219,12 @@ def layer_call(
     *,
     segment_ids: Int[Array, "batch seq"] | None = None,
     positions: Int[Array, "*batch seq"] | None = None,
-) -> Float[Array, "batch seq out_features"]:
+    cache: KVCache | None = None,
+    counts: Int[Array, " batch"] | None = None,
+):
     """The layers' `__call__`: `forward` with the config and parameters (by name) from the layer's
-    `config_and_params(x)` and its computation `dtype`."""
+    `config_and_params(x)` and its computation `dtype`. y [batch, seq, out_features]; with `cache`
+    (decode mode), (y, the cache with x's keys and values appended)."""
     cfg, params = self.config_and_params(x)
-    return forward(cfg, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype)
+    return forward(cfg, params, x, segment_ids=segment_ids, positions=positions, dtype=self.dtype, cache=cache,
+                   counts=counts)

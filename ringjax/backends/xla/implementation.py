@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ringjax.backends.xla import SUPPORT
-from ringjax.backends.xla.config import XlaConfig
-from ringjax.backends.xla.kernels import block_bwd, block_fwd
+from ringjax.backends.xla import CACHE_SUPPORT, SUPPORT
+from ringjax.backends.xla.config import XlaCacheConfig, XlaConfig
+from ringjax.backends.xla.kernels import block_bwd, block_fwd, cache_partials
+from ringjax.core import precision
 from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard
@@ -46,4 +47,27 @@ class XlaImplementation:
 
 IMPLEMENTATION = XlaImplementation()
 
-__all__ = ["IMPLEMENTATION", "KERNEL", "XlaConfig", "block_bwd", "block_fwd"]
+
+@dataclasses.dataclass(frozen=True)
+class XlaCacheImplementation:
+    """`cache_attention`'s per-device partials in XLA (split-K over the slots the mask reaches)."""
+
+    name: str = "xla"
+    config_type: type = XlaCacheConfig
+
+    def supports(self, problem: Problem) -> str | None:
+        return CACHE_SUPPORT.refusal(self.name, problem)
+
+    def default_config(self, problem: Problem) -> XlaCacheConfig:
+        return XlaCacheConfig()
+
+    def partials(self, q, k, v, q_pos, k_pos, k_len, opts, *, extras=None, config=None):
+        """See `kernels.cache_partials`; float32 tiles multiply at jax's matmul precision now (trace time)."""
+        return cache_partials(q, k, v, q_pos, k_pos, k_len, opts, extras=extras, config=config,
+                              precision=precision.current(q.dtype))
+
+
+CACHE_IMPLEMENTATION = XlaCacheImplementation()
+
+__all__ = ["CACHE_IMPLEMENTATION", "IMPLEMENTATION", "KERNEL", "XlaCacheConfig", "XlaConfig", "block_bwd",
+           "block_fwd", "cache_partials"]
