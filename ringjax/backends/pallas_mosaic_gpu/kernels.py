@@ -323,10 +323,11 @@ def _stream_smem(stages: int, rows: int, d: int, dtype, split: bool):
     return plgpu.SMEM((stages, rows, d), dtype, transforms=_transforms(d, dtype))
 
 
-def _epilogue_smem(head_dim: int):
+def _epilogue_smem(head_dim: int, consumers: int = 2, slots: int | None = None):
     """Per consumer, float32 [64, 32] slots for `_write_rows`: two to overlap the copies, one when the
-    head_dim leaves no room (`config.epilogue_slots`)."""
-    return plgpu.SMEM((2, epilogue_slots(head_dim), ROWS, _EPI), jnp.float32,
+    head_dim leaves no room (`config.epilogue_slots`) or `slots` says so."""
+    slots = epilogue_slots(head_dim) if slots is None else slots
+    return plgpu.SMEM((consumers, slots, ROWS, _EPI), jnp.float32,
                       transforms=_transforms(_EPI, jnp.float32))
 
 
