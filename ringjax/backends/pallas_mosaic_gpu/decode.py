@@ -109,8 +109,7 @@ def _sm_count(device) -> int:
 def default_config(q_shape, k_shape, v_shape, dtype=jnp.bfloat16, device=None) -> DecodeConfig:
     """The heuristic config: the largest key blocks and deepest pipeline that fit shared memory, and enough
     splits that the CTAs fill the GPU in whole waves (at least two CTAs per SM)."""
-    b, t, h, d = q_shape
-    s, kvh, dv = k_shape[1], k_shape[2], v_shape[3]
+    b, s, kvh = q_shape[0], k_shape[1], k_shape[2]
     itemsize = jnp.dtype(dtype).itemsize
     chosen = None
     for block_k in (128, 64):  # 64-key blocks only where 128 leave fewer than three stages
