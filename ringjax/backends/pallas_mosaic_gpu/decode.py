@@ -334,8 +334,9 @@ def _decode_kernel(q_ref, k_ref, v_ref, kpos_ref, rowpos_ref, table_ref, klen_re
         _drain(steps, stages, k_free, v_free)
 
 
-def _launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfig, splits: int, interpret: bool):
-    """The kernel on a (batch, KV head, split) grid: out [B, KVH, splits, rows, Dv], lse [B, KVH, splits, rows]."""
+def launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfig, splits: int, interpret: bool):
+    """The kernel alone on a (batch, KV head, split) grid, from `query_rows` and `visit_table`: out
+    [B, KVH, splits, rows, Dv], lse [B, KVH, splits, rows] (`partials` merges them)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from ringjax.backends.pallas_mosaic_gpu.kernels import _compiler_params, _epilogue_smem, _transforms, _unify
@@ -372,6 +373,18 @@ def _launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConf
 # --------------------------------------------------------------------------- the public entry
 
 
+def query_rows(q, q_pos, kv_heads: int):
+    """The kernel's query rows q [B, KVH, rows, D] and their positions [B, rows]: row r of KV head j is token
+    r // groups of query head j * groups + r % groups, zero rows pad to whole 64-row tiles."""
+    b, t, h, d = q.shape
+    groups = h // kv_heads
+    rows, real = _rows(t, groups), t * groups
+    q_rows = q.reshape(b, t, kv_heads, groups, d).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, real, d)
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - real), (0, 0)))
+    row_pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), groups, axis=1), ((0, 0), (0, rows - real)), mode="edge")
+    return q_rows, row_pos
+
+
 def merge_splits(out, lse):
     """Merge partial results over axis 2 (splits) by their lse: out [..., splits, rows, Dv] and lse
     [..., splits, rows] float32 -> [..., rows, Dv] and [..., rows]; rows no split saw get 0 and -inf."""
@@ -399,18 +412,16 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, config: Decod
         device = None if interpret else jax.devices()[0]
         config = default_config(q.shape, k.shape, v.shape, q.dtype, device)
     splits = min(config.num_splits, s // config.block_k)
-    rows, real = _rows(t, groups), t * groups
-    # row r of KV head j: token r // groups of query head j * groups + r % groups
-    q_rows = q.reshape(b, t, kvh, groups, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, real, d)
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - real), (0, 0)))
-    row_pos = jnp.pad(jnp.repeat(q_pos.astype(jnp.int32), groups, axis=1), ((0, 0), (0, rows - real)), mode="edge")
+    q_rows, row_pos = query_rows(q, q_pos, kvh)
     table = visit_table(opts, q_pos, k_pos, k_len, config.block_k)
-    out, lse = _launch(q_rows, k, v, k_pos.astype(jnp.int32), row_pos, table, k_len.astype(jnp.int32), opts, config,
+    out, lse = launch(q_rows, k, v, k_pos.astype(jnp.int32), row_pos, table, k_len.astype(jnp.int32), opts, config,
                        splits, interpret)
+    real = t * groups
     out, lse = merge_splits(out[:, :, :, :real], lse[:, :, :, :real])  # [B, KVH, real, Dv], [B, KVH, real]
     out = out.reshape(b, kvh, t, groups, -1).transpose(0, 2, 1, 3, 4).reshape(b, t, h, -1)
     lse = lse.reshape(b, kvh, t, groups).transpose(0, 2, 1, 3).reshape(b, t, h)
     return out, lse
 
 
-__all__ = ["DecodeConfig", "SUPPORT", "default_config", "merge_splits", "partials", "supports", "visit_table"]
+__all__ = ["DecodeConfig", "SUPPORT", "default_config", "launch", "merge_splits", "partials", "query_rows", "supports",
+           "visit_table"]
