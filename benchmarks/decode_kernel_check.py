@@ -271,8 +271,10 @@ class Worker:
         table = visit_table(self.opts, self.q_pos, self.k_pos, self.k_len, cfg.block_k)
         opts, interpret = self.opts, self.interpret
 
+        real = self.case.tokens * self.case.heads // self.case.kv_heads
+
         def call(q_rows, k, v, k_pos, row_pos, table, k_len):
-            return launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, cfg, splits, interpret)
+            return launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, cfg, splits, real, interpret)
 
         fn = call if interpret else jax.jit(call)
         args = (q_rows, self.k, self.v, self.k_pos, row_pos, table, self.k_len)

@@ -82,6 +82,13 @@ def _shape_refusal(q_shape, k_shape, v_shape) -> str | None:
     return None
 
 
+def _feature_refusal(q_shape, k_shape, dtype, opts: AttentionOptions) -> str | None:
+    """The feature table's refusal (options, dtype, head_dim) of this call, or None."""
+    problem = Problem(opts=opts, batch=q_shape[0], seq=k_shape[1], heads=q_shape[2], kv_heads=k_shape[2],
+                      head_dim=q_shape[3], dtype=jnp.dtype(dtype).name, platform="gpu")
+    return SUPPORT.refusal("pallas_mosaic_gpu decode", problem)
+
+
 def _rows(t: int, groups: int) -> int:
     """Query rows of a CTA, padded to whole 64-row tiles."""
     return -(-t * groups // ROWS) * ROWS
@@ -153,9 +160,7 @@ def supports(q_shape, k_shape, v_shape, dtype, opts: AttentionOptions, device=No
     if why:
         return why
     dtype = jnp.dtype(dtype)
-    problem = Problem(opts=opts, batch=q_shape[0], seq=k_shape[1], heads=q_shape[2], kv_heads=k_shape[2],
-                      head_dim=q_shape[3], dtype=dtype.name, platform="gpu")
-    why = SUPPORT.refusal("pallas_mosaic_gpu decode", problem)
+    why = _feature_refusal(q_shape, k_shape, dtype, opts)
     if why:
         return why
     why = _jax_refusal()
@@ -191,9 +196,7 @@ def _check_call(q, k, v, q_pos, k_pos, k_len, opts, config, interpret: bool) -> 
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise TypeError(f"{name} must be an integer array (int32), got {x.dtype}")
-    problem = Problem(opts=opts, batch=b, seq=k.shape[1], heads=q.shape[2], kv_heads=k.shape[2],
-                      head_dim=q.shape[3], dtype=jnp.dtype(q.dtype).name, platform="gpu")
-    why = SUPPORT.refusal("pallas_mosaic_gpu decode", problem)
+    why = _feature_refusal(q.shape, k.shape, q.dtype, opts)
     if why:
         raise ValueError(why)
     if config is not None:
@@ -303,7 +306,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kpos_ref, rowpos_ref, table_ref, klen_re
         l_safe = jnp.where(seen, row_sum, 1.0)
         acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
         lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
-        _write_rows(acc, o_smem, wg, out_ref.at[b, h, split, rows])  # commits lse_smem's store too
+        out_rows = pl.ds(wg * ROWS, min(out_ref.shape[3], ROWS))  # one tile: only its rows up to the last real one
+        _write_rows(acc, o_smem, wg, out_ref.at[b, h, split, out_rows])  # commits lse_smem's store too
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, split, rows])
         plgpu.wait_smem_to_gmem(0)
 
@@ -334,9 +338,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, kpos_ref, rowpos_ref, table_ref, klen_re
         _drain(steps, stages, k_free, v_free)
 
 
-def launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfig, splits: int, interpret: bool):
+def launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfig, splits: int, real_rows: int,
+           interpret: bool):
     """The kernel alone on a (batch, KV head, split) grid, from `query_rows` and `visit_table`: out
-    [B, KVH, splits, rows, Dv], lse [B, KVH, splits, rows] (`partials` merges them)."""
+    [B, KVH, splits, >= real_rows, Dv], lse [B, KVH, splits, rows] (`partials` merges their first real_rows)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from ringjax.backends.pallas_mosaic_gpu.kernels import _compiler_params, _epilogue_smem, _transforms, _unify
@@ -359,7 +364,9 @@ def launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfi
         plgpu.Barrier(num_arrivals=tiles, num_barriers=stages),  # K consumed
         plgpu.Barrier(num_arrivals=tiles, num_barriers=stages),  # V consumed
     ]
-    out_type = [_compat.struct_like((b, kvh, splits, rows, dv), jnp.float32, *args),
+    # one tile writes its rows up to the last real one (whole 8-row tiles of the epilogue), two write all
+    out_rows = -(-real_rows // 8) * 8 if tiles == 1 else rows
+    out_type = [_compat.struct_like((b, kvh, splits, out_rows, dv), jnp.float32, *args),
                 _compat.struct_like((b, kvh, splits, rows), jnp.float32, *args)]
     body = functools.partial(_decode_kernel, opts=opts, block_k=bk, stages=stages, splits=splits, tiles=tiles,
                              emulate=interpret)
@@ -414,9 +421,9 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, config: Decod
     splits = min(config.num_splits, s // config.block_k)
     q_rows, row_pos = query_rows(q, q_pos, kvh)
     table = visit_table(opts, q_pos, k_pos, k_len, config.block_k)
-    out, lse = launch(q_rows, k, v, k_pos.astype(jnp.int32), row_pos, table, k_len.astype(jnp.int32), opts, config,
-                       splits, interpret)
     real = t * groups
+    out, lse = launch(q_rows, k, v, k_pos.astype(jnp.int32), row_pos, table, k_len.astype(jnp.int32), opts, config,
+                      splits, real, interpret)
     out, lse = merge_splits(out[:, :, :, :real], lse[:, :, :, :real])  # [B, KVH, real, Dv], [B, KVH, real]
     out = out.reshape(b, kvh, t, groups, -1).transpose(0, 2, 1, 3, 4).reshape(b, t, h, -1)
     lse = lse.reshape(b, kvh, t, groups).transpose(0, 2, 1, 3).reshape(b, t, h)
