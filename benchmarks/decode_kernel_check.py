@@ -39,6 +39,7 @@ START, DONE = "@@start ", "@@done "
 # errors after which a process's CUDA context is not trusted: the parent restarts the child on the items left
 _FATAL = ("CUDA_ERROR", "cudaError", "illegal", "ILLEGAL", "misaligned", "INTERNAL:")
 JNN = ("jnn:default", "jnn:xla", "jnn:cudnn")
+FIRST_PASS = 3 + len(JNN)  # a case's first items (copy, default config, kernel alone, jax.nn) run before any variant
 
 
 # --------------------------------------------------------------------------- the case a child runs
@@ -179,7 +180,9 @@ def items(case: Case, interpret: bool, max_variants: int) -> list[str]:
 
     cfgs = variants(case, default_config(case, interpret))[:max_variants]
     first = [f"cfg:{json.dumps(config_to_json(cfgs[0]))}", "kernel_only"]
-    return ["copy", *first, *JNN, *[f"cfg:{json.dumps(config_to_json(c))}" for c in cfgs[1:]]]
+    out = ["copy", *first, *JNN, *[f"cfg:{json.dumps(config_to_json(c))}" for c in cfgs[1:]]]
+    assert len(out) >= FIRST_PASS
+    return out
 
 
 class Worker:
@@ -320,10 +323,11 @@ def _device_info() -> dict:
 
 def worker_main(args) -> int:
     """Child: run the items of one case, announcing each, appending one JSON row per item to --out."""
-    case = Case(**json.loads(args.case))
-    if args.list_items:
-        print(json.dumps(items(case, args.tiny, args.max_variants)))
+    if args.list_items:  # --case holds a list of cases: their items by case name
+        cases = [Case(**c) for c in json.loads(args.case)]
+        print(json.dumps({c.name: items(c, args.tiny, args.max_variants) for c in cases}))
         return 0
+    case = Case(**json.loads(args.case))
     info = _device_info()
     worker = Worker(case, args)
     todo = args.items.split("\n")
@@ -473,7 +477,7 @@ def summary(path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="decode_kernel_check.jsonl", help="JSON lines file (appended to)")
+    parser.add_argument("--out", default="decode_kernel_check.jsonl", help="JSON lines file (rewritten)")
     parser.add_argument("--cache", default="131072,1048576", help="cache lengths, comma-separated")
     parser.add_argument("--tokens", default="1,4", help="query tokens t, comma-separated")
     parser.add_argument("--iters", type=int, default=20)
@@ -502,22 +506,24 @@ def main(argv=None) -> int:
         cases = [Case(slots=int(s), tokens=t) for s in args.cache.split(",") for t in tokens]
     # the parent never starts jax (its allocator would hold the GPU's memory): children list and run the items
     print(json.dumps({"command": sys.argv, "python": sys.executable}), flush=True)
-    plans = {}
-    for case in cases:
-        child = subprocess.run([sys.executable, __file__, "--worker", "--list-items", "--case",
-                                json.dumps(dataclasses.asdict(case)), "--out", args.out,
-                                "--max-variants", str(args.max_variants)]
-                               + (["--tiny"] if args.tiny else []), capture_output=True, text=True, timeout=300)
-        try:
-            plans[case] = json.loads(child.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            tail = "\n".join((child.stdout + child.stderr).splitlines()[-15:])
-            print(f"!! {case.name}: skipped, its items could not be listed:\n{tail}", flush=True)
+    Path(args.out).write_text("")  # children append their rows
+    child = subprocess.run([sys.executable, __file__, "--worker", "--list-items", "--out", args.out,
+                            "--case", json.dumps([dataclasses.asdict(c) for c in cases]),
+                            "--max-variants", str(args.max_variants)] + (["--tiny"] if args.tiny else []),
+                           capture_output=True, text=True, timeout=300)
+    try:
+        listed = json.loads(child.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = "\n".join((child.stdout + child.stderr).splitlines()[-20:])
+        print(f"!! the cases' items could not be listed (exit code {child.returncode}):\n{tail}", flush=True)
+        for case in cases:
             _record(args.out, case, "setup", tail.splitlines()[-1] if tail else f"exit code {child.returncode}")
+        return 1
+    plans = {case: listed[case.name] for case in cases}
     # first pass: the copy rate, the default config, the kernel alone and jax.nn for every case; then the variants
     for first in (True, False):
-        for case, items in plans.items():
-            part = items[:2 + 1 + len(JNN)] if first else items[2 + 1 + len(JNN):]
+        for case, todo in plans.items():
+            part = todo[:FIRST_PASS] if first else todo[FIRST_PASS:]
             if part and time.monotonic() < deadline:
                 print(f"=== {case.name}: {len(part)} item(s)", flush=True)
                 run_case(args, case, part if first else ["copy", *part], deadline)
