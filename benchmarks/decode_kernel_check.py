@@ -507,17 +507,19 @@ def main(argv=None) -> int:
     # the parent never starts jax (its allocator would hold the GPU's memory): children list and run the items
     print(json.dumps({"command": sys.argv, "python": sys.executable}), flush=True)
     Path(args.out).write_text("")  # children append their rows
-    child = subprocess.run([sys.executable, __file__, "--worker", "--list-items", "--out", args.out,
-                            "--case", json.dumps([dataclasses.asdict(c) for c in cases]),
-                            "--max-variants", str(args.max_variants)] + (["--tiny"] if args.tiny else []),
-                           capture_output=True, text=True, timeout=300)
+    output, code = "", None
     try:
+        child = subprocess.run([sys.executable, __file__, "--worker", "--list-items", "--out", args.out,
+                                "--case", json.dumps([dataclasses.asdict(c) for c in cases]),
+                                "--max-variants", str(args.max_variants)] + (["--tiny"] if args.tiny else []),
+                               capture_output=True, text=True, timeout=300)
+        output, code = child.stdout + child.stderr, child.returncode
         listed = json.loads(child.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = "\n".join((child.stdout + child.stderr).splitlines()[-20:])
-        print(f"!! the cases' items could not be listed (exit code {child.returncode}):\n{tail}", flush=True)
+    except (IndexError, json.JSONDecodeError, subprocess.TimeoutExpired) as e:
+        tail = "\n".join(output.splitlines()[-20:]) if not isinstance(e, subprocess.TimeoutExpired) else str(e)
+        print(f"!! the cases' items could not be listed:\n{tail}", flush=True)
         for case in cases:
-            _record(args.out, case, "setup", tail.splitlines()[-1] if tail else f"exit code {child.returncode}")
+            _record(args.out, case, "setup", tail.splitlines()[-1] if tail else f"exit code {code}")
         return 1
     plans = {case: listed[case.name] for case in cases}
     # first pass: the copy rate, the default config, the kernel alone and jax.nn for every case; then the variants
