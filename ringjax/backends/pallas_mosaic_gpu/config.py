@@ -58,3 +58,27 @@ class MosaicGpuConfig(KernelConfig):
         dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
         dkv += epilogue
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
+
+
+DECODE_BLOCKS = (64, 128, 256)
+# one float32 [64, 32] epilogue slot per consumer: written once per CTA, its 8 KiB go to a third K/V stage
+DECODE_EPILOGUE_SLOTS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(KernelConfig):
+    """Split-K decode (`decode.partials`): the cache of a row is cut into `num_splits` ranges of
+    `block_k`-key blocks, one CTA per (batch row, KV head, split), each streaming its blocks through
+    `num_stages` shared-memory slots."""
+
+    block_k: int = one_of(DECODE_BLOCKS, default=128)
+    num_splits: int = int_in(1, 4096, default=32)
+    num_stages: int = int_in(2, 8, default=3)
+
+    def smem_bytes(self, rows: int, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
+        """Shared memory of one CTA (bytes): q tiles, K/V (and key position) slots, the float32 epilogue and lse."""
+        tiles = rows // ROWS
+        q = rows * head_dim * itemsize
+        stream = self.num_stages * self.block_k * ((head_dim + head_dim_v) * itemsize + 4)
+        epilogue = tiles * DECODE_EPILOGUE_SLOTS * ROWS * 32 * 4
+        return q + stream + epilogue + 2 * rows * 4

@@ -62,6 +62,11 @@ def _device_refusal(platform: str) -> str | None:
         device = jax.devices(platform)[0]
     except RuntimeError as e:
         return f"no {platform} device visible ({e})"
+    return device_refusal(device)
+
+
+def device_refusal(device) -> str | None:
+    """Why the Mosaic GPU kernels cannot run on `device` (a jax Device), or None."""
     cc = getattr(device, "compute_capability", None)
     if cc is None:
         return f"{device.device_kind} is not a CUDA GPU (Mosaic GPU needs NVIDIA sm90 or newer)"

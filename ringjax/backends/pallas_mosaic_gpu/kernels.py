@@ -299,14 +299,16 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
 def _write_rows(acc, smem, wg, dst, first: int = 0) -> int:
     """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via the SMEM slots of
     `_epilogue_smem`; returns the chunk count to pass as `first` to the next call, so slots keep alternating
-    (a copy still reading a slot is never overwritten, whatever D)."""
-    d, slots = acc.shape[1], smem.shape[1]
+    (a copy still reading a slot is never overwritten, whatever D). A `dst` of fewer rows (a multiple of 8)
+    takes the tile's first rows."""
+    (rows, _), (d, slots) = dst.shape, (acc.shape[1], smem.shape[1])
     for c in range(d // _EPI):
         slot = (first + c) % slots
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous copy has read it
         smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem.at[wg, slot], dst.at[:, pl.ds(c * _EPI, _EPI)])
+        src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
+        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * _EPI, _EPI)])
     return first + d // _EPI
 
 
@@ -337,10 +339,11 @@ def _half(rows, walk: _Walk, wg, d: int):
     return (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
 
 
-def _epilogue_smem(head_dim: int):
+def _epilogue_smem(head_dim: int, consumers: int = 2, slots: int | None = None):
     """Per consumer, float32 [64, 32] slots for `_write_rows`: two to overlap the copies, one when the
-    head_dim leaves no room (`config.epilogue_slots`)."""
-    return plgpu.SMEM((2, epilogue_slots(head_dim), ROWS, _EPI), jnp.float32,
+    head_dim leaves no room (`config.epilogue_slots`) or `slots` says so."""
+    slots = epilogue_slots(head_dim) if slots is None else slots
+    return plgpu.SMEM((consumers, slots, ROWS, _EPI), jnp.float32,
                       transforms=_transforms(_EPI, jnp.float32))
 
 
