@@ -328,7 +328,7 @@ def test_strategy_cost_rule():
 
 def test_registered_as_an_op():
     names = [row["name"] for row in ringjax.list_implementations("cache_attention")]
-    assert names == ["xla"]
+    assert names == ["pallas_mosaic_gpu", "xla"]
     cache = ringjax.KVCache.create(1, 8, 1, 8, dtype=jnp.float32, mesh=mesh_of(2))
     cache = cache.append(jnp.ones((1, 2, 1, 8)), jnp.ones((1, 2, 1, 8)))
     sharding = NamedSharding(cache.mesh, P())
@@ -337,3 +337,36 @@ def test_registered_as_an_op():
     np.testing.assert_allclose(np.asarray(out), 1.0)
     with pytest.raises(TypeError, match="config must be a XlaCacheConfig"):
         ringjax.cache_attention(q, cache, config=object())
+
+
+def _sm90() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 9.0
+
+
+def test_mosaic_decode_refused_off_hopper_with_a_reason():
+    if _sm90():
+        pytest.skip("runs the kernel here: see test_mosaic_decode_on_hopper")
+    cache = ringjax.KVCache.create(1, 128, 2, 64, dtype=jnp.bfloat16)
+    cache = cache.append(*(jnp.ones((1, 1, 2, 64), jnp.bfloat16),) * 2)
+    q = jnp.ones((1, 1, 4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu: .*(runs on gpu|sm90|jax)"):
+        ringjax.cache_attention(q, cache, implementation="pallas_mosaic_gpu")
+
+
+@pytest.mark.parametrize("t, window", [(1, None), (4, None), (4, 300)])
+def test_mosaic_decode_on_hopper(t, window):
+    """`auto` runs the split-K Mosaic kernel for decode on Hopper; exact like the XLA partials."""
+    if not _sm90():
+        pytest.skip("needs an sm90+ GPU (the Mosaic GPU decode kernel)")
+    batch, heads, kv_heads, d, length = 2, 8, 2, 128, 1000
+    q, k, v = _tokens(11, batch, length, "bfloat16", heads=heads, kv_heads=kv_heads, head_dim=d)
+    cache = ringjax.KVCache.create(batch, 1024, kv_heads, d, dtype=jnp.bfloat16)
+    cache = cache.append(jnp.asarray(k, jnp.bfloat16), jnp.asarray(v, jnp.bfloat16))
+    qt = jnp.asarray(q[:, length - t:], jnp.bfloat16)
+    kw = {} if window is None else {"sliding_window": window}
+    out, lse = ringjax.cache_attention(qt, cache, return_lse=True, **kw)
+    ref = attention_reference(q, k, v, causal=True, **({} if window is None else {"window": window}))
+    _check(out, lse, ref["out"][:, length - t:], ref["lse"][:, :, length - t:], dtype="bfloat16")
+    xla_out = ringjax.cache_attention(qt, cache, implementation="xla", **kw)
+    assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) < TOLERANCE[tolerance_key("bfloat16")]

@@ -39,6 +39,8 @@ class Problem:
     device_kind: str = ""  # e.g. "NVIDIA H100 80GB HBM3"; "" = not resolved yet (see resolved())
     precision: str = "default"
     v_head_dim: int | None = None  # None: head_dim
+    # queries per device when they are not `seq` (cache_attention: the t new tokens against `seq` cache slots)
+    q_seq: int | None = None
 
     def __post_init__(self):
         if self.v_head_dim is None:

@@ -110,21 +110,22 @@ def cache_attention(
                              f"{int(lengths[b])} tokens: append their keys and values first")
     opts = make_options(q, axis_name=None, axis_size=n, layout=LAYOUT, **option_inputs(arguments))
     ways = call.ways(call.batch_axes) if call.is_global else 1
-    problem = registry.Problem(opts=opts, batch=batch // ways, seq=cache.local_slots, heads=heads, kv_heads=kv_heads,
-                               head_dim=head_dim, dtype=str(q.dtype), platform=registry.current_platform(),
-                               precision=precision.current(q.dtype))
-    reg, impl = registry.choose(OP, implementation, problem)
-    if config is None:
-        config = impl.default_config(problem)
-    elif not isinstance(config, impl.config_type):
-        raise TypeError(f"config must be a {impl.config_type.__name__} for implementation {reg.name!r}, "
-                        f"got {type(config).__name__}")
     strategy, why = spread.choose(strategy, local=call.mode == "local", batch=batch // ways, t=t_total, heads=heads,
                                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=cache.v_head_dim,
                                 itemsize=jnp.dtype(q.dtype).itemsize, slots=cache.local_slots, axis_size=n)
     if strategy == "pass_kv" and t_total % n:
         raise ValueError(f"strategy='pass_kv' splits the {t_total} queries over the {n} devices of axis "
                          f"{cache.axis_name!r}: t must be a multiple of {n}")
+    problem = registry.Problem(opts=opts, batch=batch // ways, seq=cache.local_slots, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, dtype=str(q.dtype), platform=registry.current_platform(),
+                               precision=precision.current(q.dtype), v_head_dim=cache.v_head_dim,
+                               q_seq=t_total // n if strategy == "pass_kv" else t_total)
+    reg, impl = registry.choose(OP, implementation, problem)
+    if config is None:
+        config = impl.default_config(problem)
+    elif not isinstance(config, impl.config_type):
+        raise TypeError(f"config must be a {impl.config_type.__name__} for implementation {reg.name!r}, "
+                        f"got {type(config).__name__}")
     run = spread.RUNS[strategy]
 
     def per_device(q, k, v, lengths, counts, sinks, slopes):
