@@ -262,6 +262,10 @@ RING_CASES = [
      dict(causal=True, dropout_rate=0.1)),
     (1, "contiguous", "bfloat16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=256, segments="random"),
      dict(causal=True, sliding_window=150)),
+    # v with a head_dim of its own (multi-head latent attention): split backward, and not
+    (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=192, v_head_dim=128), dict(causal=True)),
+    (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=1, head_dim=128, v_head_dim=64,
+                                      segments="random", sinks=True), dict(causal=True, sliding_window=100)),
 ]
 
 
@@ -269,7 +273,8 @@ RING_CASES = [
 @pytest.mark.parametrize("n, layout, dtype, xkw, kw", RING_CASES)
 def test_ring_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
-    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=small_for(xkw["head_dim"]), **kw)
+    widest = max(xkw["head_dim"], xkw.get("v_head_dim") or 0)
+    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=small_for(widest), **kw)
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 

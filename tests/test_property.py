@@ -18,6 +18,7 @@ def problems(draw):
     kv_heads = draw(st.sampled_from([1, 2]))
     shape = dict(batch=draw(st.integers(1, 2)), seq=local * n, heads=kv_heads * draw(st.sampled_from([1, 3])),
                  kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8, 12])),
+                 v_head_dim=draw(st.sampled_from([None, 4, 20])),  # None: head_dim; else v's own (MLA)
                  segments=draw(st.sampled_from([None, "random"])), sinks=draw(st.booleans()))
     kw = dict(causal=draw(st.booleans()))
     if draw(st.booleans()):
