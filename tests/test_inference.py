@@ -370,3 +370,18 @@ def test_mosaic_decode_on_hopper(t, window):
     _check(out, lse, ref["out"][:, length - t:], ref["lse"][:, :, length - t:], dtype="bfloat16")
     xla_out = ringjax.cache_attention(qt, cache, implementation="xla", **kw)
     assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) < TOLERANCE[tolerance_key("bfloat16")]
+
+
+@pytest.mark.parametrize("strategy", ["pass_q", "pass_kv"])
+def test_collectives_per_call(strategy):
+    """pass_q: one pmax and one psum of the partial results, nothing travels; pass_kv: the K and V stripes
+    travel the ring (n - 1 steps), no reduction of outputs."""
+    n = 4
+    cache = ringjax.KVCache.create(1, 32, KV_HEADS, HEAD_DIM, dtype=jnp.float32, mesh=mesh_of(n))
+    q = jnp.zeros((1, 4, HEADS, HEAD_DIM), jnp.float32)
+    text = jax.jit(lambda q, c: ringjax.cache_attention(q, c, strategy=strategy)).lower(q, cache).as_text()
+    count = lambda op: sum(line.count(op) for line in text.splitlines())  # noqa: E731
+    if strategy == "pass_q":
+        assert count("all_reduce") == 2 and count("collective_permute") == 0
+    else:
+        assert count("collective_permute") == 2 * (n - 1) and count("all_reduce") == 0
