@@ -272,7 +272,7 @@ def test_errors_name_the_argument():
         ringjax.cache_attention(q, cache, strategy="ring")
     with pytest.raises(TypeError, match="softmax_scale"):
         ringjax.cache_attention(q, cache, scale=1.0)
-    with pytest.raises(ValueError, match="implementation must be 'auto' or one of: xla"):
+    with pytest.raises(ValueError, match="implementation must be 'auto' or one of: pallas_mosaic_gpu, xla"):
         ringjax.cache_attention(q, cache, implementation="nope")
     with pytest.raises(ValueError, match="sinks must have shape"):
         ringjax.cache_attention(q, cache, sinks=jnp.ones(3))

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, DecodeConfig, MosaicGpuConfig
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
 from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 from ringjax.core.tiles import block_stride
@@ -161,37 +161,4 @@ class PallasMosaicGpuImplementation:
 IMPLEMENTATION = PallasMosaicGpuImplementation()
 
 
-def _cache_shapes(problem: Problem):
-    """q, k, v shapes of one device's `cache_attention` partials: q_seq new tokens against seq cache slots."""
-    b, h, kvh = problem.batch, problem.heads, problem.kv_heads
-    d, dv = problem.head_dims
-    return (b, problem.q_seq or 1, h, d), (b, problem.seq, kvh, d), (b, problem.seq, kvh, dv)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuCacheImplementation:
-    """`cache_attention`'s per-device partials: the split-K decode kernel (`decode.py`)."""
-
-    name: str = "pallas_mosaic_gpu"
-    config_type: type = DecodeConfig
-
-    def supports(self, problem: Problem) -> str | None:
-        from ringjax.backends.pallas_mosaic_gpu import decode
-
-        return decode.supports(*_cache_shapes(problem), problem.dtype, problem.opts)
-
-    def default_config(self, problem: Problem) -> DecodeConfig:
-        from ringjax.backends.pallas_mosaic_gpu import decode
-
-        return decode.default_config(*_cache_shapes(problem), problem.dtype)
-
-    def partials(self, q, k, v, q_pos, k_pos, k_len, opts, *, extras=None, config=None):
-        """`decode.partials`; `extras` carries nothing this kernel takes (supports() refused ALiBi)."""
-        from ringjax.backends.pallas_mosaic_gpu import decode
-
-        return decode.partials(q, k, v, q_pos, k_pos, k_len, opts, config)
-
-
-CACHE_IMPLEMENTATION = MosaicGpuCacheImplementation()
-
-__all__ = ["CACHE_IMPLEMENTATION", "IMPLEMENTATION", "KERNEL", "MosaicGpuCacheImplementation", "MosaicGpuConfig"]
+__all__ = ["IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]
