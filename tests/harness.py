@@ -15,6 +15,17 @@ from ringjax.core import precision
 
 from reference import attention_reference
 
+
+def _hopper() -> bool:
+    """Whether the first device is an sm90+ GPU (the Mosaic GPU kernels run for real)."""
+    if jax.default_backend() != "gpu":
+        return False
+    cc = getattr(jax.devices()[0], "compute_capability", "0")
+    return int(str(cc).split(".")[0]) >= 9
+
+
+ON_HOPPER = _hopper()
+
 # norm-wise relative error ||got - ref|| / ||ref|| allowed per input dtype; "tf32": float32 on a GPU at jax's
 # default matmul precision (inputs rounded to 10 mantissa bits, as float16's)
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "tf32": 5e-3}

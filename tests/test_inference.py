@@ -16,7 +16,7 @@ from ringjax.backends.xla.kernels import cache_partials
 from ringjax.core.masks import Extras
 from ringjax.options import AttentionOptions
 
-from harness import TOLERANCE, mesh_of, rel_err, tolerance_key
+from harness import ON_HOPPER, TOLERANCE, mesh_of, rel_err, tolerance_key
 from reference import attention_reference
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -340,13 +340,8 @@ def test_registered_as_an_op():
         ringjax.cache_attention(q, cache, config=object())
 
 
-def _sm90() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and float(getattr(dev, "compute_capability", "0")) >= 9.0
-
-
 def test_mosaic_decode_refused_off_hopper_with_a_reason():
-    if _sm90():
+    if ON_HOPPER:
         pytest.skip("runs the kernel here: see test_mosaic_decode_on_hopper")
     cache = ringjax.KVCache.create(1, 128, 2, 64, dtype=jnp.bfloat16)
     cache = cache.append(*(jnp.ones((1, 1, 2, 64), jnp.bfloat16),) * 2)
@@ -358,7 +353,7 @@ def test_mosaic_decode_refused_off_hopper_with_a_reason():
 @pytest.mark.parametrize("t, window", [(1, None), (4, None), (4, 300)])
 def test_mosaic_decode_on_hopper(t, window):
     """`auto` runs the split-K Mosaic kernel for decode on Hopper; exact like the XLA partials."""
-    if not _sm90():
+    if not ON_HOPPER:
         pytest.skip("needs an sm90+ GPU (the Mosaic GPU decode kernel)")
     batch, heads, kv_heads, d, length = 2, 8, 2, 128, 1000
     q, k, v = _tokens(11, batch, length, "bfloat16", heads=heads, kv_heads=kv_heads, head_dim=d)

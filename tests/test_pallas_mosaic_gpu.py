@@ -18,18 +18,9 @@ from ringjax.dispatch import registry
 from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
-from harness import check_against_reference, make_inputs, reference_for, rel_err, run_ring
+from harness import ON_HOPPER, check_against_reference, make_inputs, reference_for, rel_err, run_ring
 from reference import dropout_keep_reference, mask_reference
 
-
-def _hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    cc = getattr(jax.devices()[0], "compute_capability", "0")
-    return int(str(cc).split(".")[0]) >= 9
-
-
-ON_HOPPER = _hopper()
 _WHY_NOT = None if ON_HOPPER else interpreter_refusal()
 needs_kernels = pytest.mark.skipif(_WHY_NOT is not None, reason=f"the Mosaic GPU kernels cannot run here: {_WHY_NOT}")
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="needs an sm90+ GPU (the ring under jit; on CPU only "

@@ -20,18 +20,9 @@ from ringjax.backends.pallas_mosaic_gpu.decode import default_config, merge_spli
 from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal, interpreter_refusal
 from ringjax.options import AttentionOptions
 
-from harness import rel_err
+from harness import ON_HOPPER, rel_err
 from reference import attention_reference
 
-
-def _hopper() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    cc = getattr(jax.devices()[0], "compute_capability", "0")
-    return int(str(cc).split(".")[0]) >= 9
-
-
-ON_HOPPER = _hopper()
 INTERPRET = not ON_HOPPER
 _WHY_NOT = None if ON_HOPPER else interpreter_refusal()
 needs_kernels = pytest.mark.skipif(_WHY_NOT is not None, reason=f"the Mosaic GPU kernels cannot run here: {_WHY_NOT}")
