@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import jax
@@ -169,6 +170,15 @@ def struct_like(shape, dtype, *refs):
     if not varying:
         return jax.ShapeDtypeStruct(shape, dtype)
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+
+
+@contextlib.contextmanager
+def unchecked_vma():
+    """Trace with shard_map's varying-axes checks off, as `plgpu.kernel` does around its own kernel call."""
+    from jax._src import config as jax_config
+
+    with jax_config._check_vma(False):
+        yield
 
 
 _UNCHECKED = None

@@ -6,6 +6,8 @@ on every layout's positions. On CPU the same step kernels run eagerly in jax's G
 jnp.dot), and a lowering test checks that they lower to Mosaic GPU for CUDA.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -214,11 +216,45 @@ def test_step_v_head_dims(head_dim, v_head_dim, layout, n, shard, src, local, dt
                 config=small_for(max(head_dim, v_head_dim)), v_head_dim=v_head_dim, **kw)
 
 
+FUSED = dataclasses.replace(SMALL, fused_bwd=True)
+# the fused backward (dQ added into global memory from the dK/dV kernel): every mask walk and modifier it takes
+FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + [
+    ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, logits_soft_cap=3.0)),
+    ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True, window=(90, 0))),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
+@pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", FUSED_CASES)
+def test_step_fused_backward(layout, n, shard, src, local, dtype, kw, head_dim):
+    kw = dict(kw)
+    batch = 2 if kw.get("segments") else 1
+    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    heads, kv_heads = (4, 2) if src % 2 else (6, 1)  # GQA groups of 2 and 6
+    _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments,
+                config=FUSED, **kw)
+
+
+@pytest.mark.parametrize("kw, head_dim, v_head_dim, config, fused", [
+    (dict(causal=True), 128, 128, FUSED, True),
+    (dict(dropout_rate=0.1, logits_soft_cap=3.0, window=(9, 0)), 64, 64, FUSED, True),
+    (dict(causal=True), 128, 64, FUSED, True),
+    (dict(causal=True), 128, 128, SMALL, False),  # not asked for
+    (dict(causal=True, has_alibi=True), 128, 128, FUSED, False),  # the slope gradient sums in the dQ kernel
+    (dict(causal=True), 96, 96, FUSED, False),  # dQ leaves in an odd number of 32-column chunks
+    (dict(causal=True), 256, 256, FUSED, False),  # split head_dim
+    (dict(causal=True), 128, 128, dataclasses.replace(FUSED, dkv_block_q=128), False),
+])
+def test_fused_backward_where_it_fits(kw, head_dim, v_head_dim, config, fused):
+    from ringjax.backends.pallas_mosaic_gpu.kernels import fuses_backward
+
+    assert fuses_backward(AttentionOptions(**kw), config, head_dim, v_head_dim) is fused
+
+
 @needs_kernels
 def test_step_with_row_tile_pairing_under_gqa():
     """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
-    import dataclasses
-
     config = dataclasses.replace(SMALL, pair_heads=False)
     _check_step("zigzag", 2, 1, 0, 256, "bfloat16", 64, 4, 2, config=config, causal=True)
 
@@ -266,6 +302,15 @@ def test_ring_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
     widest = max(xkw["head_dim"], xkw.get("v_head_dim") or 0)
     got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=small_for(widest), **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+@hopper_only
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", [c for c in RING_CASES if max(
+    c[3]["head_dim"], c[3].get("v_head_dim") or 0) <= 128 and not c[3].get("alibi")])
+def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
+    x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=FUSED, **kw)
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
@@ -412,3 +457,30 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
             s((1, t), jnp.int32))
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64)])
+def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd
+
+    t = 256
+    opts = AttentionOptions(softmax_scale=0.1, causal=True, window=(100, 0), logits_soft_cap=30.0,
+                            dropout_rate=0.1, has_segments=True)
+    extras = Extras(dropout_seed=jnp.array([1, 2], jnp.uint32))
+
+    def f(q, k, v, do, lse, delta, seg):
+        pos = jnp.arange(t, dtype=jnp.int32)
+        cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), fused_bwd=True)
+        return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
+            s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+            s((1, t), jnp.int32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1

@@ -64,6 +64,7 @@ from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
 _EPI = 32  # float32 columns per epilogue chunk: one 128-byte swizzled row
+_DQ_COLS = 64  # dQ columns per matmul in the fused backward: one 128-byte swizzled row of a bf16 K tile
 # per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
 # threads starts with 168 each); the dK/dV consumer holds two accumulators and gets the most
 _REGS = {"fwd": (232, 40), "dq": (232, 40), "dkv": (240, 24)}
@@ -296,11 +297,11 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
     return carry
 
 
-def _write_rows(acc, smem, wg, dst, first: int = 0) -> int:
+def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
     """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via the SMEM slots of
     `_epilogue_smem`; returns the chunk count to pass as `first` to the next call, so slots keep alternating
     (a copy still reading a slot is never overwritten, whatever D). A `dst` of fewer rows (a multiple of 8)
-    takes the tile's first rows."""
+    takes the tile's first rows. `add`: TMA reduce-add into `dst` instead of overwriting it."""
     (rows, _), (d, slots) = dst.shape, (acc.shape[1], smem.shape[1])
     for c in range(d // _EPI):
         slot = (first + c) % slots
@@ -308,7 +309,7 @@ def _write_rows(acc, smem, wg, dst, first: int = 0) -> int:
         smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
         plgpu.commit_smem()
         src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
-        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * _EPI, _EPI)])
+        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * _EPI, _EPI)], reduction_op="add" if add else None)
     return first + d // _EPI
 
 
@@ -378,12 +379,22 @@ def _mma_fresh(shape, a, b, *, transpose_b: bool = False, between=None, emulate:
     return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+class _T(NamedTuple):
+    """A shared-memory wgmma lhs read transposed: `ref` holds [K, M], the product takes its [M, K]."""
+
+    ref: object
+
+
 def _mma(accs, terms, emulate: bool = False, between=None):
     """[acc + a @ b (b^T) for each acc and (a, b, transpose_b)], issued together, awaited once; a term may
-    be a list of such triples, summed into its accumulator (the halves of a split head_dim)."""
+    be a list of such triples, summed into its accumulator (the halves of a split head_dim); `a` may be
+    a `_T` (a transposed shared-memory lhs)."""
     terms = [t if isinstance(t, list) else [t] for t in terms]
     if emulate:
-        out = [acc + sum(_dot(_operand(a), b[...], tb) for a, b, tb in parts) for acc, parts in zip(accs, terms)]
+        def lhs(a):
+            return a.ref[...].T if isinstance(a, _T) else _operand(a)
+
+        out = [acc + sum(_dot(lhs(a), b[...], tb) for a, b, tb in parts) for acc, parts in zip(accs, terms)]
         if between is not None:
             between()
         return out
@@ -391,6 +402,7 @@ def _mma(accs, terms, emulate: bool = False, between=None):
     def body(refs):
         for ref, parts in zip(refs, terms):
             for a, b, tb in parts:
+                a = a.ref.transpose((1, 0)) if isinstance(a, _T) else a
                 plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
         if between is not None:
             between()
@@ -626,14 +638,33 @@ def _unify_with(args, *outs):
 
 
 def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, groups: int, has_seg: bool,
-            opts: AttentionOptions, config: MosaicGpuConfig):
+            opts: AttentionOptions, config: MosaicGpuConfig, added=None, **static):
     """Run `kernel` on a (heads, `rows` tiles, batch) grid of CTAs of one producer and two consumer
-    warpgroups; outputs come back with the inputs' varying axes."""
-    body = functools.partial(kernel, opts=opts, walk=walk, groups=groups, has_seg=has_seg, emulate=config.interpret)
-    outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("h", rows, "b"),
-                        num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
-                        **_interpret(config))(*args)
-    return _unify_with(args, *outs)
+    warpgroups; outputs come back with the inputs' varying axes.
+
+    `added` (a shape/dtype): the kernel also takes a zero-initialised float32 array as its last input ref and
+    adds into it in place (TMA reduce-add); it comes back first among the outputs.
+    """
+    body = functools.partial(kernel, opts=opts, walk=walk, groups=groups, has_seg=has_seg, emulate=config.interpret,
+                             **static)
+    if added is None:
+        outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("h", rows, "b"),
+                            num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
+                            **_interpret(config))(*args)
+        return _unify_with(args, *outs)
+    # a Ref argument is aliased in and out of the kernel; pl.kernel (not plgpu.kernel, whose vmap wrapper
+    # rejects Ref arguments in jax 0.10) with the same mesh and scoped scratch as plgpu.kernel builds
+    # the Ref is invariant over the mesh axes (pl.kernel rejects varying Refs); its value varies like the args
+    acc = jax.new_ref(jnp.zeros(added.shape, added.dtype))
+    mesh = plgpu.Mesh(grid=grid, grid_names=("h", rows, "b"), num_threads=3, thread_name="wg")
+
+    def scoped(*refs):
+        pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
+
+    with _compat.unchecked_vma():
+        outs = pl.kernel(scoped, out_type=tuple(out_type), mesh=mesh, compiler_params=_compiler_params(),
+                         **_interpret(config))(*args, acc)
+    return _unify_with(args, acc[...], *outs)
 
 
 def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
@@ -807,15 +838,17 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                    (k_bar, v_bar), (k_free, v_free), split=walk.split)
 
 
-def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
     mod_refs = _mod_refs(opts, r)
+    dq_ref = r.take(1, with_dq)  # zeros in; the fused backward adds every (key tile, query block)'s dQ into it
     dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(9)
     kseg_smem, qseg_smem = r.take(2, has_seg)
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
+    ds_smem = r.take(1, with_dq)  # per consumer, its dS^T tile: the transposed lhs of dQ = dS K
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     b = lax.axis_index("b")
@@ -888,8 +921,28 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     dst = dst * cap_slope(t)
                 dst16 = dst.astype(q_ref.dtype)
 
-                (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)], emulate)
-                plgpu.barrier_arrive(free.at[slot])
+                if not with_dq:
+                    (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)],
+                                 emulate)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return dk, dv
+                # fused: this tile's share of the block's dQ, dS K over its 64 keys, added into dQ in global memory
+                # 64 columns at a time: a third [64, 128] float32 accumulator beside dK and dV would spill
+                ds_smem.at[wg][...] = dst16
+                plgpu.commit_smem()
+                h = kvh * groups + gi
+                rows = pl.ds(blk * bq, bq)
+                dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                for c in range(d // _DQ_COLS):
+                    cols = pl.ds(c * _DQ_COLS, _DQ_COLS)
+                    dq_term = (_T(ds_smem.at[wg]), k_smem.at[wg].at[:, cols], False)
+                    if c == 0:  # issued with dK's, whose Q slot is then released
+                        dk, dq = _mma([dk, _zeros((bq, _DQ_COLS))], [(dst16, q_smem.at[slot], False), dq_term],
+                                      emulate)
+                        plgpu.barrier_arrive(free.at[slot])
+                    else:
+                        (dq,) = _mma([_zeros((bq, _DQ_COLS))], [dq_term], emulate)
+                    _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
                 return dk, dv
 
             return _walk_tile(span, my, step, carry, walk)
@@ -933,6 +986,9 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
     mods = _mod_args(opts, extras, q.shape[2])
+    if fuses_backward(opts, config, q.shape[3], v.shape[3]):
+        dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
+        return dq, dk, dv, None
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
     if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
         dq, q = lax.optimization_barrier((dq, q))
@@ -972,8 +1028,18 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     return outs[0], (outs[1] if opts.has_alibi else None)
 
 
-def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
-    """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream."""
+def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int) -> bool:
+    """Whether `block_bwd` runs the fused kernel (dQ added into global memory from the dK/dV kernel) rather than
+    a dQ kernel and a dK/dV kernel: asked for by `config.fused_bwd`, and only where it fits. Its dQ tile is
+    [64 queries, head_dim] (64-query blocks) and leaves in an even number of 32-column chunks; ALiBi's slope
+    gradient is summed in the dQ kernel."""
+    return (config.fused_bwd and not opts.has_alibi and head_dim in (64, 128) and v_head_dim <= 128
+            and config.dkv_block_q == ROWS)
+
+
+def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False):
+    """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream.
+    `with_dq`: also dQ (fused backward), returned first."""
     b, t, h, d = q.shape
     s, kvh, has_seg, dt, dv = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     g = h // kvh
@@ -996,5 +1062,13 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
     kv_structs = [_compat.struct_like(x.shape, jnp.float32, args[0]) for x in (k, v)]
-    return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
-                   walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
+    if not with_dq:
+        return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
+                       walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
+    scratch.append(plgpu.SMEM((2, ROWS, bq), dt, transforms=_transforms(bq, dt)))  # dS^T per consumer
+    # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
+    parts = (walk.n_ctas, 2) if config.interpret else ()
+    dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
+                         walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
+                         added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True)
+    return (dq.sum((0, 1)) if parts else dq), dk, dv
