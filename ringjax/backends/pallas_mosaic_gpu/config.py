@@ -28,7 +28,7 @@ class MosaicGpuConfig(KernelConfig):
     `block_kv` keys per forward step, `dq_block_kv` keys per dQ step, `dkv_block_q` queries
     per dK/dV step. `pair_heads`: with an even GQA group the two consumers of a forward or
     dQ block take two query heads on the same rows (one K/V tile, one mask); otherwise, and
-    always without GQA, two adjacent row tiles of one head. `fused_bwd`: one backward kernel
+    always without GQA, two adjacent row tiles of one head. `bwd_fused`: one backward kernel
     (the dK/dV kernel also adds each block's dQ into global memory by TMA reduce-add, the
     softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
     head_dim other than 64 or 128, `dkv_block_q` other than 64) the two kernels do. Its dQ
@@ -45,7 +45,7 @@ class MosaicGpuConfig(KernelConfig):
     dkv_block_q: int = one_of(_BLOCKS, default=64)
     dkv_num_stages: int = int_in(2, 6, default=3)
     pair_heads: bool = True
-    fused_bwd: bool = False
+    bwd_fused: bool = False
     interpret: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
@@ -62,8 +62,8 @@ class MosaicGpuConfig(KernelConfig):
         dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 4 * ROWS * 4
         dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
         dkv += epilogue
-        if self.fused_bwd:  # its dS^T tiles, one per consumer
-            dkv += 2 * ROWS * self.dkv_block_q * itemsize
+        if self.bwd_fused:  # its dS^T tiles, per consumer and visit parity
+            dkv += 4 * ROWS * self.dkv_block_q * itemsize
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
 
 

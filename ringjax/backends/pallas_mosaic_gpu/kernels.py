@@ -848,7 +848,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     kseg_smem, qseg_smem = r.take(2, has_seg)
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
-    ds_smem = r.take(1, with_dq)  # per consumer, its dS^T tile: the transposed lhs of dQ = dS K
+    ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     b = lax.axis_index("b")
@@ -864,6 +864,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
         tile = jnp.where(wg == 0, tiles[0], tiles[1])
         my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
+        other = [jnp.where(wg == 0, c, a) for a, c in zip(bounds[0], bounds[1])]
         k0 = tile * ROWS
         kpos0 = kstart_ref[tile]
         rows = (b, pl.ds(k0, ROWS), kvh)
@@ -872,14 +873,15 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         plgpu.copy_gmem_to_smem(k_ref.at[mine], k_smem.at[wg], kv_bar.at[wg])
         plgpu.copy_gmem_to_smem(v_ref.at[mine_v], v_smem.at[wg], kv_bar.at[2 + wg])
         kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
-        for i in range(4) if walk.split else (wg, 2 + wg):
+        # split: both halves of the shared tiles; fused: both consumers' K tiles (dQ reads them all)
+        for i in range(4) if walk.split else ((0, 1, 2 + wg) if with_dq else (wg, 2 + wg)):
             plgpu.barrier_wait(kv_bar.at[i])
 
         def head(gi, carry):
             mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
 
             def step(i, blk, carry, kind):
-                dk, dv = carry
+                dk, dv, *calls = carry  # fused: the count of block_dq calls so far, whose parity picks a buffer
                 slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                 plgpu.barrier_wait(q_bar.at[slot])
                 plgpu.barrier_wait(lse_bar.at[slot])
@@ -887,6 +889,17 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 plgpu.barrier_wait(delta_bar.at[slot])
                 if kind == "skip":
                     plgpu.barrier_arrive(free.at[slot])
+                    if with_dq:  # the other consumer's keys may see the block: its dQ needs this tile's zeros
+
+                        seen = (blk >= other[2]) & (blk < other[5])
+
+                        @pl.when(seen)
+                        def _():
+                            ds_smem.at[calls[0] % 2, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
+                            plgpu.commit_smem()
+                            block_dq(calls[0], gi, blk)
+
+                        return dk, dv, calls[0] + seen.astype(jnp.int32)
                     return carry
 
                 if walk.split:  # the scores sum the two halves of the head_dim
@@ -926,29 +939,42 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                  emulate)
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv
-                # fused: this tile's share of the block's dQ, dS K over its 64 keys, added into dQ in global memory
-                # 64 columns at a time: a third [64, 128] float32 accumulator beside dK and dV would spill
-                ds_smem.at[wg][...] = dst16
+                # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ
+                ds_smem.at[calls[0] % 2, wg][...] = dst16
                 plgpu.commit_smem()
-                h = kvh * groups + gi
+                (dk,) = _mma([dk], [(dst16, q_smem.at[slot], False)], emulate)
+                plgpu.barrier_arrive(free.at[slot])
+                block_dq(calls[0], gi, blk)
+                return dk, dv, calls[0] + 1
+
+            def block_dq(n, gi, blk):
+                """Add dQ of query block `blk` over the CTA's 128 keys into global memory, once both consumers
+                have stored their dS^T: consumer wg takes half wg of the columns (head_dim 128), or its own
+                64 keys' share of all 64 columns (head_dim 64: a half would be narrower than a swizzled row)."""
+                buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
+                plgpu.barrier_arrive(ds_bar.at[buf])
+                plgpu.barrier_wait(ds_bar.at[buf])
                 rows = pl.ds(blk * bq, bq)
+                h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                for c in range(d // _DQ_COLS):
+
+                def add(tiles, c):
                     cols = pl.ds(c * _DQ_COLS, _DQ_COLS)
-                    dq_term = (_T(ds_smem.at[wg]), k_smem.at[wg].at[:, cols], False)
-                    if c == 0:  # issued with dK's, whose Q slot is then released
-                        dk, dq = _mma([dk, _zeros((bq, _DQ_COLS))], [(dst16, q_smem.at[slot], False), dq_term],
-                                      emulate)
-                        plgpu.barrier_arrive(free.at[slot])
-                    else:
-                        (dq,) = _mma([_zeros((bq, _DQ_COLS))], [dq_term], emulate)
+                    terms = [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]
+                    (dq,) = _mma([_zeros((bq, _DQ_COLS))], [terms], emulate)
                     _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-                return dk, dv
+
+                if d == _DQ_COLS:
+                    add([wg], 0)
+                else:
+                    for c in range(d // _DQ_COLS):
+                        pl.when(wg == c)(functools.partial(add, _parts(wg), c))
 
             return _walk_tile(span, my, step, carry, walk)
 
         cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
-        dk, dv = lax.fori_loop(0, groups, head, tuple(_zeros((ROWS, c)) for c in cols))
+        init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
+        dk, dv, *_ = lax.fori_loop(0, groups, head, init)
         dk = dk * opts.softmax_scale
         chunks = _write_rows(dk, o_smem, wg, dk_ref.at[mine])
         _write_rows(dv, o_smem, wg, dv_ref.at[mine_v], first=chunks)
@@ -1030,10 +1056,10 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
 
 def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int) -> bool:
     """Whether `block_bwd` runs the fused kernel (dQ added into global memory from the dK/dV kernel) rather than
-    a dQ kernel and a dK/dV kernel: asked for by `config.fused_bwd`, and only where it fits. Its dQ tile is
+    a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused`, and only where it fits. Its dQ tile is
     [64 queries, head_dim] (64-query blocks) and leaves in an even number of 32-column chunks; ALiBi's slope
     gradient is summed in the dQ kernel."""
-    return (config.fused_bwd and not opts.has_alibi and head_dim in (64, 128) and v_head_dim <= 128
+    return (config.bwd_fused and not opts.has_alibi and head_dim in (64, 128) and v_head_dim <= 128
             and config.dkv_block_q == ROWS)
 
 
@@ -1065,7 +1091,8 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     if not with_dq:
         return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
-    scratch.append(plgpu.SMEM((2, ROWS, bq), dt, transforms=_transforms(bq, dt)))  # dS^T per consumer
+    scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt)),  # dS^T [visit % 2, consumer]
+                plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
