@@ -245,6 +245,8 @@ def test_step_fused_backward(layout, n, shard, src, local, dtype, kw, head_dim):
     (dict(causal=True), 96, 96, FUSED, False),  # dQ leaves in an odd number of 32-column chunks
     (dict(causal=True), 256, 256, FUSED, False),  # split head_dim
     (dict(causal=True), 128, 128, dataclasses.replace(FUSED, dkv_block_q=128), False),
+    (dict(causal=True), 128, 128, dataclasses.replace(FUSED, dkv_num_stages=3), False),  # no room for dS^T
+    (dict(causal=True), 64, 64, dataclasses.replace(FUSED, dkv_num_stages=3), True),
 ])
 def test_fused_backward_where_it_fits(kw, head_dim, v_head_dim, config, fused):
     from ringjax.backends.pallas_mosaic_gpu.kernels import fuses_backward
@@ -475,7 +477,8 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
 
     def f(q, k, v, do, lse, delta, seg):
         pos = jnp.arange(t, dtype=jnp.int32)
-        cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), bwd_fused=True)
+        cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), bwd_fused=True,
+                                  dkv_num_stages=2)
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
     s = jax.ShapeDtypeStruct

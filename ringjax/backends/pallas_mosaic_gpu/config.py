@@ -31,7 +31,8 @@ class MosaicGpuConfig(KernelConfig):
     always without GQA, two adjacent row tiles of one head. `bwd_fused`: one backward kernel
     (the dK/dV kernel also adds each block's dQ into global memory by TMA reduce-add, the
     softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
-    head_dim other than 64 or 128, `dkv_block_q` other than 64) the two kernels do. Its dQ
+    head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
+    its dS^T tiles beside `dkv_num_stages` stages) the two kernels do. Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic. `interpret=True` runs the same
     kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
     eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
@@ -62,9 +63,14 @@ class MosaicGpuConfig(KernelConfig):
         dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 4 * ROWS * 4
         dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
         dkv += epilogue
-        if self.bwd_fused:  # its dS^T tiles, per consumer and visit parity
-            dkv += 4 * ROWS * self.dkv_block_q * itemsize
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
+
+    def fused_bwd_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
+                        v_head_dim: int | None = None) -> int:
+        """Shared memory of the fused backward (`bwd_fused`): the dK/dV kernel's, plus its dS^T tiles per
+        consumer and call parity and the 1 KiB alignment a swizzled buffer may need."""
+        dkv = self.smem_bytes(head_dim, itemsize, segments, v_head_dim)["dkv"]
+        return dkv + 4 * ROWS * self.dkv_block_q * itemsize + 1024
 
 
 DECODE_BLOCKS = (64, 128, 256)

@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, epilogue_slots
 from ringjax.core.masks import Extras, TokenInfo, is_sink_step, may_skip, visible_pairs
 from ringjax.core.modifiers import (
     LOG2E,
@@ -1012,7 +1012,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32)
     delta = delta.astype(jnp.float32)
     mods = _mod_args(opts, extras, q.shape[2])
-    if fuses_backward(opts, config, q.shape[3], v.shape[3]):
+    if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
         dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
         return dq, dk, dv, None
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
@@ -1054,13 +1054,15 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     return outs[0], (outs[1] if opts.has_alibi else None)
 
 
-def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int) -> bool:
+def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int,
+                   itemsize: int = 2) -> bool:
     """Whether `block_bwd` runs the fused kernel (dQ added into global memory from the dK/dV kernel) rather than
     a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused`, and only where it fits. Its dQ tile is
     [64 queries, head_dim] (64-query blocks) and leaves in an even number of 32-column chunks; ALiBi's slope
-    gradient is summed in the dQ kernel."""
+    gradient is summed in the dQ kernel; its dS^T tiles need shared memory beside the dK/dV kernel's."""
+    fits = config.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim) <= SMEM_LIMIT - 1024
     return (config.bwd_fused and not opts.has_alibi and head_dim in (64, 128) and v_head_dim <= 128
-            and config.dkv_block_q == ROWS)
+            and config.dkv_block_q == ROWS and fits)
 
 
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False):
