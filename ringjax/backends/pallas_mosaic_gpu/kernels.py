@@ -889,8 +889,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 plgpu.barrier_wait(delta_bar.at[slot])
                 if kind == "skip":
                     plgpu.barrier_arrive(free.at[slot])
-                    if with_dq:  # the other consumer's keys may see the block: its dQ needs this tile's zeros
-
+                    # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
+                    # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
+                    if with_dq and d != _DQ_COLS:
                         seen = (blk >= other[2]) & (blk < other[5])
 
                         @pl.when(seen)
@@ -942,33 +943,32 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ
                 ds_smem.at[calls[0] % 2, wg][...] = dst16
                 plgpu.commit_smem()
-                (dk,) = _mma([dk], [(dst16, q_smem.at[slot], False)], emulate)
+                dk = block_dq(calls[0], gi, blk, dk, (dst16, q_smem.at[slot], False))
                 plgpu.barrier_arrive(free.at[slot])
-                block_dq(calls[0], gi, blk)
                 return dk, dv, calls[0] + 1
 
-            def block_dq(n, gi, blk):
-                """Add dQ of query block `blk` over the CTA's 128 keys into global memory, once both consumers
-                have stored their dS^T: consumer wg takes half wg of the columns (head_dim 128), or its own
-                64 keys' share of all 64 columns (head_dim 64: a half would be narrower than a swizzled row)."""
+            def block_dq(n, gi, blk, dk=None, dk_term=None):
+                """Add dQ of query block `blk` over the CTA's 128 keys into global memory (and dK's term, issued
+                with it): consumer wg takes half wg of the columns over both consumers' dS^T, once both are
+                stored (head_dim 128), or its own 64 keys' share of all 64 columns (head_dim 64: a half would
+                be narrower than a swizzled row)."""
                 buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
-                plgpu.barrier_arrive(ds_bar.at[buf])
-                plgpu.barrier_wait(ds_bar.at[buf])
+                if d == _DQ_COLS:
+                    tiles, cols = [wg], pl.ds(0, d)
+                else:
+                    plgpu.barrier_arrive(ds_bar.at[buf])
+                    plgpu.barrier_wait(ds_bar.at[buf])
+                    tiles, cols = _parts(wg), pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
+                terms = [[(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]]
+                accs = [_zeros((bq, _DQ_COLS))]
+                if dk_term is not None:
+                    accs, terms = [dk, *accs], [dk_term, *terms]
+                *dk, dq = _mma(accs, terms, emulate)
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-
-                def add(tiles, c):
-                    cols = pl.ds(c * _DQ_COLS, _DQ_COLS)
-                    terms = [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]
-                    (dq,) = _mma([_zeros((bq, _DQ_COLS))], [terms], emulate)
-                    _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-
-                if d == _DQ_COLS:
-                    add([wg], 0)
-                else:
-                    for c in range(d // _DQ_COLS):
-                        pl.when(wg == c)(functools.partial(add, _parts(wg), c))
+                _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
+                return dk[0] if dk else None
 
             return _walk_tile(span, my, step, carry, walk)
 
