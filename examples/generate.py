@@ -27,65 +27,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _model import Transformer  # examples/_model.py: examples/ is on sys.path when its scripts run
 
 import ringjax
-from ringjax.equinox import MultiHeadAttention
-
-
-def rms_norm(x, weight, eps=1e-6):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + eps) * weight).astype(x.dtype)
-
-
-class Block(eqx.Module):
-    attn: MultiHeadAttention
-    norm1: jax.Array
-    norm2: jax.Array
-    w_in: jax.Array
-    w_out: jax.Array
-
-    def __init__(self, d_model, heads, kv_heads, *, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        # axis_name=None: the whole-sequence call runs on one device; with a cache, the cache's axis is used
-        self.attn = MultiHeadAttention(d_model, heads, num_kv_heads=kv_heads, causal=True, axis_name=None, key=k1)
-        self.norm1 = jnp.ones(d_model)
-        self.norm2 = jnp.ones(d_model)
-        self.w_in = jax.random.normal(k2, (d_model, 4 * d_model)) / np.sqrt(d_model)
-        self.w_out = jax.random.normal(k3, (4 * d_model, d_model)) / np.sqrt(4 * d_model)
-
-    def __call__(self, x, cache=None):
-        h = rms_norm(x, self.norm1)
-        if cache is None:
-            a = self.attn(h)
-        else:
-            a, cache = self.attn(h, cache=cache)
-        x = x + a
-        x = x + jax.nn.gelu(rms_norm(x, self.norm2) @ self.w_in) @ self.w_out
-        return x, cache
-
-
-class Model(eqx.Module):
-    embed: jax.Array
-    blocks: list
-    norm: jax.Array
-    unembed: jax.Array
-
-    def __init__(self, vocab, d_model, heads, kv_heads, layers, *, key):
-        keys = jax.random.split(key, layers + 2)
-        self.embed = jax.random.normal(keys[0], (vocab, d_model))
-        self.blocks = [Block(d_model, heads, kv_heads, key=k) for k in keys[2:]]
-        self.norm = jnp.ones(d_model)
-        self.unembed = jax.random.normal(keys[1], (d_model, vocab)) / np.sqrt(d_model)
-
-    def __call__(self, tokens, caches=None):
-        """tokens [batch, t] -> logits [batch, t, vocab] (and the caches with these tokens appended)."""
-        x = self.embed[tokens]
-        new = []
-        for i, block in enumerate(self.blocks):
-            x, cache = block(x, None if caches is None else caches[i])
-            new.append(cache)
-        logits = rms_norm(x, self.norm) @ self.unembed
-        return logits, (None if caches is None else new)
 
 
 def parse_args(argv=None):
@@ -109,7 +53,9 @@ def main(argv=None) -> dict:
     n = args.sp or len(jax.devices())
     mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
     dtype = jnp.dtype(args.dtype)
-    model = Model(args.vocab, args.d_model, args.heads, args.kv_heads, args.layers, key=jax.random.key(args.seed))
+    # axis_name=None: the whole-sequence call runs on one device; with a cache, the cache's axis is used
+    model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, key=jax.random.key(args.seed),
+                        axis_name=None)
     model = jax.tree.map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
     params, static = eqx.partition(model, eqx.is_array)
     capacity = -(-(args.prompt_len + args.steps) // n) * n

@@ -30,59 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _model import Transformer  # examples/_model.py: examples/ is on sys.path when its scripts run
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 import ringjax
-from ringjax.equinox import MultiHeadAttention
-
-
-def rms_norm(x, weight, eps=1e-6):
-    x32 = x.astype(jnp.float32)
-    return (x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + eps) * weight).astype(x.dtype)
-
-
-class Block(eqx.Module):
-    attn: MultiHeadAttention
-    norm1: jax.Array
-    norm2: jax.Array
-    w_in: jax.Array
-    w_out: jax.Array
-
-    def __init__(self, d_model, heads, kv_heads, *, layout, key):
-        k1, k2, k3 = jax.random.split(key, 3)
-        self.attn = MultiHeadAttention(d_model, heads, num_kv_heads=kv_heads, causal=True, axis_name="sp",
-                                       layout=layout, key=k1)
-        self.norm1 = jnp.ones(d_model)
-        self.norm2 = jnp.ones(d_model)
-        self.w_in = jax.random.normal(k2, (d_model, 4 * d_model)) / np.sqrt(d_model)
-        self.w_out = jax.random.normal(k3, (4 * d_model, d_model)) / np.sqrt(4 * d_model)
-
-    def __call__(self, x, segment_ids):
-        x = x + self.attn(rms_norm(x, self.norm1), segment_ids=segment_ids)
-        return x + jax.nn.gelu(rms_norm(x, self.norm2) @ self.w_in) @ self.w_out
-
-
-class Transformer(eqx.Module):
-    embed: jax.Array
-    blocks: list
-    norm: jax.Array
-    unembed: jax.Array
-
-    def __init__(self, vocab, d_model, layers, heads, kv_heads, *, layout, key):
-        keys = jax.random.split(key, layers + 2)
-        self.embed = jax.random.normal(keys[0], (vocab, d_model))
-        self.blocks = [Block(d_model, heads, kv_heads, layout=layout, key=k) for k in keys[2:]]
-        self.norm = jnp.ones(d_model)
-        self.unembed = jax.random.normal(keys[1], (d_model, vocab)) / np.sqrt(d_model)
-
-    def __call__(self, tokens, segment_ids):
-        """tokens, segment_ids: [batch, seq] (local shards in the layout's order) -> logits."""
-        x = self.embed[tokens]
-        for block in self.blocks:
-            x = block(x, segment_ids)
-        return rms_norm(x, self.norm) @ self.unembed
 
 
 def make_batch(rng, batch, seq, vocab, *, min_doc, max_doc, max_stride=4):
@@ -147,8 +100,8 @@ def main(argv=None) -> dict:
     if args.seq_len % chunks:
         raise ValueError(f"--seq-len {args.seq_len} must be divisible by {chunks} for layout {args.layout}")
 
-    model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, layout=args.layout,
-                        key=jax.random.key(args.seed))
+    model = Transformer(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads, key=jax.random.key(args.seed),
+                        axis_name="sp", layout=args.layout)
     params, static = eqx.partition(model, eqx.is_array)
     optimizer = optax.adamw(args.lr, weight_decay=0.0)
     replicated = NamedSharding(mesh, P())
@@ -157,7 +110,8 @@ def main(argv=None) -> dict:
     seq_spec = P("data", "sp")
 
     def local_loss(params, tokens, targets, mask, segments):
-        logits = eqx.combine(params, static)(tokens, segments).astype(jnp.float32)
+        logits, _ = eqx.combine(params, static)(tokens, segment_ids=segments)
+        logits = logits.astype(jnp.float32)
         nll = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
         total = jax.lax.psum((nll * mask).sum(), ("data", "sp"))
         return total / jax.lax.psum(mask.sum(), ("data", "sp"))

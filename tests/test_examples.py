@@ -18,6 +18,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def _load(name):
+    if str(EXAMPLES) not in sys.path:  # as when a script in examples/ runs: its shared _model module imports
+        sys.path.insert(0, str(EXAMPLES))
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (equinox modules) look their module up here
