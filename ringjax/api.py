@@ -39,6 +39,7 @@ def ring_attention(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     num_sink_tokens: int = 0,
+    deterministic: bool = False,
     return_lse: bool = False,
     mesh=None,
     implementation: str = "auto",
@@ -56,6 +57,12 @@ def ring_attention(
     softmax_scale is 1/sqrt(q's head_dim). Returns out [batch, seq, heads, v_head_dim] in
     q's dtype and, with `return_lse`, lse [batch, heads, seq] float32 (natural log, -inf
     for rows that see no key). Mask and logit options are described in the README's table.
+
+    `deterministic=True` makes gradients bitwise-identical from run to run at a fixed ring size and
+    config (across ring sizes dK/dV are summed over ring steps in another float32 order, so they
+    differ in the last bits; so do other block sizes). Every default backward already is; it only
+    makes the opt-in fused backwards (`bwd_fused=True` of the Triton and Mosaic GPU configs, dQ
+    summed by atomic adds) run split, at the split backward's time.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |

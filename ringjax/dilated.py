@@ -203,7 +203,7 @@ def dilated_attention(
     _check_layout(layout, branches, call.axis_size, local_len)
     ring_kw = dict(causal=options["causal"], window=opts.window, softmax_scale=opts.softmax_scale,
                    logits_soft_cap=opts.logits_soft_cap, implementation=options["implementation"],
-                   config=options["config"], autotune=options["autotune"])
+                   config=options["config"], autotune=options["autotune"], deterministic=opts.deterministic)
     per_device_kw = dict(branches=branches, axis_name=axis_name, axis_size=call.axis_size, layout=layout,
                          global_len=local_len * call.axis_size)
 

@@ -50,6 +50,9 @@ class AttentionOptions:
     # a device holds `subshards` layout shards of axis_size * subshards: shards i * axis_size + r
     # (i < subshards), concatenated; what a Ulysses all-to-all over a major axis leaves (strategies.py)
     subshards: int = 1
+    # the backward sums in a fixed order: bitwise-identical gradients run to run (at one ring size); the
+    # backends' opt-in fused backwards (bwd_fused, dQ by atomic/TMA adds) then run split
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -253,6 +256,8 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("dropout_rate", 0.0, float, "dropout on the attention probabilities (with dropout_rng)"),
     Keyword("dropout_rng", None, jax.Array, "the jax.random key of the dropout mask (follows dropout_rate)", ARRAY),
     Keyword("num_sink_tokens", 0, int, "every query also sees the first this many tokens of its segment"),
+    Keyword("deterministic", False, bool,
+            "bitwise-identical gradients run to run at one ring size (opt-in fused backwards run split)"),
     Keyword("return_lse", False, bool, "also return lse [batch, heads, seq] float32", CALL),
     Keyword("mesh", None, object, "the mesh of global arrays (default: the one set by jax.set_mesh)", CALL),
     Keyword("implementation", "auto", str, "'auto' or a registered implementation", CALL),

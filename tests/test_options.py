@@ -85,7 +85,8 @@ def _capture(monkeypatch, target, name):
 
 # a value away from the default for everything tune_shapes can tune
 NON_DEFAULT = dict(causal=True, sliding_window=(8, 0), segments=True, softmax_scale=0.5, logits_soft_cap=30.0,
-                   sinks=True, layout="zigzag", chunk_size=16, alibi=True, dropout_rate=0.1, num_sink_tokens=2)
+                   sinks=True, layout="zigzag", chunk_size=16, alibi=True, dropout_rate=0.1, num_sink_tokens=2,
+                   deterministic=True)
 
 
 def test_tune_shapes_takes_every_feature(monkeypatch):

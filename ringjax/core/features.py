@@ -73,8 +73,9 @@ FEATURES: tuple[Feature, ...] = (
             lambda o: o.subshards > 1, ("subshards",)),
 )
 BY_NAME = {f.name: f for f in FEATURES}
-# options every implementation reads, whatever it supports: scale, layout and ring geometry
-COMMON_FIELDS = frozenset({"softmax_scale", "layout", "axis_name", "axis_size"})
+# options every implementation honours, whatever it supports: scale, layout, ring geometry, and deterministic
+# (every backward sums in a fixed order but the opt-in fused ones, which then run split)
+COMMON_FIELDS = frozenset({"softmax_scale", "layout", "axis_name", "axis_size", "deterministic"})
 
 
 @dataclasses.dataclass(frozen=True)

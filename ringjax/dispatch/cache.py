@@ -32,7 +32,9 @@ SCHEMA_VERSION = 1
 FORMAT = "ringjax-config-cache"
 
 # option fields that do not change the kernel (values, not structure)
-_NOT_IN_KEY = ("softmax_scale", "axis_name", "axis_size")  # axis_size: top level of the key
+# axis_size: top level of the key. deterministic changes neither the function nor the best config (no tuning
+# candidate has a fused backward), and keys (shipped ones too) stay as they were
+_NOT_IN_KEY = ("softmax_scale", "axis_name", "axis_size", "deterministic")
 
 
 # ---------------------------------------------------------------------------- keys

@@ -31,7 +31,9 @@ class AttentionLayerConfig:
     their own (`v_head_dim`, as multi-head latent attention's), which the output projection takes
     (num_heads * v_head_dim inputs). The fields named as
     `ring_attention` keywords (causal, sliding_window, ...) are those keywords, with the same
-    defaults (tests/test_options.py), and are checked by the same declaration.
+    defaults (tests/test_options.py), and are checked by the same declaration. `deterministic` is
+    `ring_attention`'s: bitwise-identical gradients run to run, not dropout's switch (the layers have
+    no dropout).
     """
 
     in_features: int
@@ -50,6 +52,7 @@ class AttentionLayerConfig:
     layout: str = "contiguous"
     implementation: str = "auto"
     strategy: str = "ring"  # see ringjax.ring_attention
+    deterministic: bool = False  # see ringjax.ring_attention
 
     def __post_init__(self):
         for name in ("in_features", "num_heads"):

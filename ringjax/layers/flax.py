@@ -76,6 +76,7 @@ class LinenMultiHeadAttention(nn.Module):
     layout: str = "contiguous"
     implementation: str = "auto"
     strategy: str = "ring"
+    deterministic: bool = False  # gradients bitwise-identical run to run (not dropout's: there is none)
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 

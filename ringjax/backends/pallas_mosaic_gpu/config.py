@@ -33,7 +33,8 @@ class MosaicGpuConfig(KernelConfig):
     softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
     head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
     its dS^T tiles beside `dkv_num_stages` stages) the two kernels do. Its dQ
-    sums in an order that varies from run to run; the two kernels are deterministic. `interpret=True` runs the same
+    sums in an order that varies from run to run; the two kernels are deterministic, and run instead
+    with the op's `deterministic=True`. `interpret=True` runs the same
     kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
     eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
     cores).

@@ -1057,12 +1057,13 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
 def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int,
                    itemsize: int = 2) -> bool:
     """Whether `block_bwd` runs the fused kernel (dQ added into global memory from the dK/dV kernel) rather than
-    a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused`, and only where it fits. Its dQ tile is
+    a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused` (and not `opts.deterministic`: TMA
+    reduce-adds sum dQ in no fixed order), and only where it fits. Its dQ tile is
     [64 queries, head_dim] (64-query blocks) and leaves in an even number of 32-column chunks; ALiBi's slope
     gradient is summed in the dQ kernel; its dS^T tiles need shared memory beside the dK/dV kernel's."""
     fits = config.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim) <= SMEM_LIMIT - 1024
-    return (config.bwd_fused and not opts.has_alibi and head_dim in (64, 128) and v_head_dim <= 128
-            and config.dkv_block_q == ROWS and fits)
+    return (config.bwd_fused and not opts.deterministic and not opts.has_alibi and head_dim in (64, 128)
+            and v_head_dim <= 128 and config.dkv_block_q == ROWS and fits)
 
 
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False):

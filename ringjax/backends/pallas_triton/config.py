@@ -30,7 +30,8 @@ class GpuConfig(KernelConfig):
     dividing the shard's unit length (half a shard under zigzag). `interpret=True`
     runs the same kernels through the Pallas interpreter (CPU tests; slow).
     `bwd_fused=True` computes dQ inside the dK/dV kernel with float32 atomic adds (5 block
-    matmuls per block pair instead of 7; the summation order of dQ is then not fixed).
+    matmuls per block pair instead of 7; the summation order of dQ is then not fixed; the op's
+    `deterministic=True` runs the split kernels instead).
     """
 
     block_q: int = power_of_two(MIN_BLOCK, default=128)

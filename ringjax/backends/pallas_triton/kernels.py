@@ -326,6 +326,12 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     return out, lse
 
 
+def fuses_backward(opts: AttentionOptions, config: GpuConfig) -> bool:
+    """Whether `block_bwd` adds dQ from the dK/dV kernel by float32 atomics (`config.bwd_fused`) rather than
+    running a dQ kernel: not with `opts.deterministic`, as atomics sum dQ in no fixed order."""
+    return config.bwd_fused and not opts.deterministic
+
+
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: GpuConfig, *, precision: str = DEFAULT):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
@@ -334,9 +340,10 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
     lse2, delta = finite_or_zero(lse) * LOG2E, delta.astype(jnp.float32)
     tokens = ((tl.batch, tl.q_len, tl.heads, tl.head_dim), jnp.float32)
+    fused = fuses_backward(opts, config)
 
     dq = None
-    if not config.bwd_fused:  # dQ: grid over query blocks, walking key blocks
+    if not fused:  # dQ: grid over query blocks, walking key blocks
         ins, spec = step.by_query_block(("q", q, "tokens"), ("k", k, "keys"), ("v", v, "values"),
                                         ("do", dout, "tokens_v"), ("lse", lse2, "rows"), ("delta", delta, "rows"))
         outs = Operands().add("dq", tokens, spec["tokens"])
@@ -345,15 +352,15 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     # dK, dV (and dQ when fused): grid over key blocks and KV heads, walking query blocks of the G query heads
     blocks = [("q", q, "tokens"), ("k", k, "keys"), ("v", v, "values"), ("do", dout, "tokens_v"),
               ("lse", lse2, "rows"), ("delta", delta, "rows")]
-    if config.bwd_fused:  # dQ accumulates atomically into these zeros, aliased to the dq output
+    if fused:  # dQ accumulates atomically into these zeros, aliased to the dq output
         blocks.append(("dq_zeros", jnp.zeros(*tokens), "tokens"))
     ins, spec = step.by_key_block(*blocks)
     k_grads, v_grads = (((tl.batch, tl.kv_len, tl.kv_heads, d), jnp.float32) for d in (tl.head_dim, tl.v_head_dim))
     outs = Operands().add("dk", k_grads, spec["keys"]).add("dv", v_grads, spec["values"])
-    if config.bwd_fused:
+    if fused:
         outs.add("dq", tokens, spec["tokens"])
     grid = (tl.num_kv, tl.batch, tl.kv_heads)
-    name = "ringjax_bwd_dkv_dq" if config.bwd_fused else "ringjax_bwd_dkv"
-    aliases = {ins.index("dq_zeros"): outs.index("dq")} if config.bwd_fused else None
+    name = "ringjax_bwd_dkv_dq" if fused else "ringjax_bwd_dkv"
+    aliases = {ins.index("dq_zeros"): outs.index("dq")} if fused else None
     dk, dv, *fused_dq = step.launch(_dkv_kernel, name, grid, ins, outs, config, bwd=True, aliases=aliases)
-    return (fused_dq[0] if config.bwd_fused else dq), dk, dv
+    return (fused_dq[0] if fused else dq), dk, dv

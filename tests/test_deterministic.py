@@ -1,0 +1,183 @@
+"""`deterministic=True`: bitwise-identical gradients run to run; the fused backwards (dQ by atomic adds) run split."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ringjax
+from ringjax.backends.pallas_triton import GpuConfig
+from ringjax.layers.core import AttentionLayerConfig
+from ringjax.options import AttentionOptions
+
+from harness import check_against_reference, make_inputs, reference_for, run_ring
+
+needs_flax = pytest.mark.skipif(importlib.util.find_spec("flax") is None, reason="needs flax")
+needs_equinox = pytest.mark.skipif(importlib.util.find_spec("equinox") is None, reason="needs equinox")
+GRADS = ("dq", "dk", "dv", "dsinks")
+
+
+def _qkv(seed=0, seq=16):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal((1, seq, 2, 8)), jnp.float32) for _ in range(3)]
+
+
+@pytest.mark.parametrize("call", [
+    lambda q, k, v, bad: ringjax.ring_attention(q, k, v, axis_name=None, deterministic=bad),
+    lambda q, k, v, bad: ringjax.dilated_attention(q, k, v, segment_lengths=8, dilation_rates=1, axis_name=None,
+                                                   deterministic=bad),
+    lambda q, k, v, bad: ringjax.ring_attention_varlen(q[0], k[0], v[0], jnp.asarray([0, 16]), axis_name=None,
+                                                       deterministic=bad),
+    lambda q, k, v, bad: AttentionLayerConfig(in_features=16, num_heads=2, deterministic=bad),
+])
+@pytest.mark.parametrize("bad", [1, "yes", None])
+def test_deterministic_must_be_a_bool(call, bad):
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        call(q, k, v, bad)
+
+
+@pytest.mark.parametrize("n, layout, xkw, kw", [
+    (1, "contiguous", dict(), dict(causal=True)),
+    (2, "zigzag", dict(segments="random"), dict(causal=True)),
+    (4, "striped", dict(sinks=True), dict(sliding_window=9, logits_soft_cap=5.0)),
+])
+def test_xla_gradients_are_bitwise_identical_run_to_run(n, layout, xkw, kw):
+    x = make_inputs(40 + n, **xkw)
+    runs = [run_ring(x, n, layout=layout, implementation="xla", deterministic=True, **kw) for _ in range(5)]
+    check_against_reference(runs[0], reference_for(x, **kw), "float32")
+    for run in runs[1:]:
+        for name in GRADS:
+            if name in run:
+                assert np.array_equal(run[name], runs[0][name]), name
+    # the default (XLA's backward is deterministic already) computes bitwise the same
+    default = run_ring(x, n, layout=layout, implementation="xla", **kw)
+    for name in GRADS:
+        if name in default:
+            assert np.array_equal(default[name], runs[0][name]), name
+
+
+@pytest.mark.parametrize("module, call", [
+    ("ringjax.dilated", lambda q, k, v: ringjax.dilated_attention(q, k, v, segment_lengths=8, dilation_rates=2,
+                                                                  axis_name=None, deterministic=True)),
+    ("ringjax.packed", lambda q, k, v: ringjax.ring_attention_varlen(q[0], k[0], v[0], jnp.asarray([0, 5, 16]),
+                                                                     axis_name=None, deterministic=True)),
+    ("ringjax.packed", lambda q, k, v: ringjax.ring_attention_kvpacked(q, jnp.stack([k, v], axis=2),
+                                                                       axis_name=None, deterministic=True)),
+])
+def test_other_entry_points_pass_it_on(monkeypatch, module, call):
+    module = importlib.import_module(module)
+    seen, op = [], module.ring_attention
+
+    def spy(*args, **kw):
+        seen.append(kw.get("deterministic"))
+        return op(*args, **kw)
+
+    monkeypatch.setattr(module, "ring_attention", spy)
+    call(*_qkv(1))
+    assert seen and all(s is True for s in seen)
+
+
+def test_mosaic_gpu_fused_backward_is_off_when_deterministic():
+    from ringjax.backends.pallas_mosaic_gpu.implementation import MosaicGpuConfig
+    from ringjax.backends.pallas_mosaic_gpu.kernels import fuses_backward
+
+    fused = MosaicGpuConfig(bwd_fused=True, dkv_num_stages=2)
+    assert fuses_backward(AttentionOptions(causal=True), fused, 128, 128)
+    assert not fuses_backward(AttentionOptions(causal=True, deterministic=True), fused, 128, 128)
+    assert not fuses_backward(AttentionOptions(causal=True), MosaicGpuConfig(dkv_num_stages=2), 128, 128)
+
+
+def _triton_kernels_launched(monkeypatch, opts, config) -> list[str]:
+    """Names of the Pallas calls the Triton `block_bwd` makes for `opts` and `config` (traced, not run)."""
+    from ringjax.backends.pallas_triton import kernels
+    from ringjax.core.masks import TokenInfo
+
+    names = []
+    launch = kernels._Step.launch
+
+    def spy(self, kernel, name, *args, **kw):
+        names.append(name)
+        return launch(self, kernel, name, *args, **kw)
+
+    monkeypatch.setattr(kernels._Step, "launch", spy)
+    t, s = 64, jax.ShapeDtypeStruct
+
+    def bwd(q, k, v, do, lse, delta):
+        info = TokenInfo(jnp.arange(t, dtype=jnp.int32), None)
+        return kernels.block_bwd(q, k, v, do, lse, delta, info, info, opts, config)
+
+    rows = s((1, 2, t), jnp.float32)
+    jax.make_jaxpr(bwd)(*[s((1, t, 2, 16), jnp.float32)] * 4, rows, rows)
+    return names
+
+
+def test_triton_fused_backward_is_off_when_deterministic(monkeypatch):
+    from ringjax.backends.pallas_triton.kernels import fuses_backward
+
+    fused = GpuConfig(bwd_fused=True)
+    opts = AttentionOptions(causal=True, softmax_scale=0.25)
+    deterministic = AttentionOptions(causal=True, softmax_scale=0.25, deterministic=True)
+    assert fuses_backward(opts, fused) and not fuses_backward(deterministic, fused)
+    assert not fuses_backward(opts, GpuConfig())
+    assert _triton_kernels_launched(monkeypatch, opts, fused) == ["ringjax_bwd_dkv_dq"]
+    assert _triton_kernels_launched(monkeypatch, deterministic, fused) == ["ringjax_bwd_dq", "ringjax_bwd_dkv"]
+
+
+def test_triton_fused_config_with_deterministic_matches_reference():
+    """bwd_fused=True with deterministic=True (the split kernels) in the Triton interpreter, on a ring of 2."""
+    on_gpu = jax.default_backend() == "gpu"
+    impl = "pallas_triton" if on_gpu else "pallas_triton_interpret"
+    config = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
+                       bwd_fused=True, interpret=not on_gpu)
+    x = make_inputs(7, seq=64)
+    with jax.default_matmul_precision("default"):
+        got = run_ring(x, 2, layout="zigzag", implementation=impl, config=config, causal=True, deterministic=True)
+    check_against_reference(got, reference_for(x, causal=True), "float32")
+
+
+# ---------------------------------------------------------------------------- the layers pass it to the op
+
+
+def _make_layer(framework, **kw):
+    if framework == "nnx":
+        from flax import nnx
+
+        from ringjax.flax import MultiHeadAttention
+
+        return MultiHeadAttention(16, 2, axis_name=None, rngs=nnx.Rngs(0), **kw)
+    if framework == "equinox":
+        from ringjax.equinox import MultiHeadAttention
+
+        return MultiHeadAttention(16, 2, axis_name=None, key=jax.random.key(0), **kw)
+    from ringjax.flax import LinenMultiHeadAttention
+
+    return LinenMultiHeadAttention(num_heads=2, axis_name=None, **kw)
+
+
+@pytest.mark.parametrize("framework", [pytest.param("nnx", marks=needs_flax), pytest.param("linen", marks=needs_flax),
+                                       pytest.param("equinox", marks=needs_equinox)])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_layers_pass_deterministic_to_the_op(monkeypatch, framework, deterministic):
+    from ringjax.layers import core
+
+    seen = []
+    op = core.ring_attention
+
+    def spy(*args, **kw):
+        seen.append(kw["deterministic"])
+        return op(*args, **kw)
+
+    monkeypatch.setattr(core, "ring_attention", spy)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 8, 16)), jnp.float32)
+    layer = _make_layer(framework, **({"deterministic": True} if deterministic else {}))
+    if framework == "linen":
+        layer.init(jax.random.key(0), x)
+    else:
+        assert layer.config.deterministic is deterministic
+        layer(x)
+    assert seen and all(s is deterministic for s in seen)
