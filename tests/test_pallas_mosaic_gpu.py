@@ -143,6 +143,13 @@ def _docs(batch, total):
     return seg
 
 
+def _with_docs(kw, total):
+    """(step kwargs without "segments", batch, packed documents or None): segments=True asks for documents."""
+    kw = dict(kw)
+    batch = 2 if kw.get("segments") else 1
+    return kw, batch, (_docs(batch, total) if kw.pop("segments", False) else None)
+
+
 # (layout, ring size, query shard, key shard, local length, dtype, step kwargs); CPU runs these through
 # the interpreter at head_dim 64, a GPU at 64 and 128
 STEP_CASES = [
@@ -173,9 +180,7 @@ STEP_CASES = [
 @pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
 @pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", STEP_CASES)
 def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_dim):
-    kw = dict(kw)
-    batch = 2 if kw.get("segments") else 1
-    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    kw, batch, segments = _with_docs(kw, local * n)
     heads, kv_heads = (4, 2) if head_dim == 64 or src % 2 else (6, 3)  # 6/3: odd groups pair row tiles
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
 
@@ -191,9 +196,7 @@ HEAD_DIM_CASES = [
 @pytest.mark.parametrize("head_dim", [96, 192, 256])  # above 128 the backward splits the head_dim
 @pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", HEAD_DIM_CASES)
 def test_step_head_dims(layout, n, shard, src, local, dtype, kw, head_dim):
-    kw = dict(kw)
-    batch = 2 if kw.get("segments") else 1
-    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    kw, batch, segments = _with_docs(kw, local * n)
     _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
                 config=small_for(head_dim), **kw)
 
@@ -209,9 +212,7 @@ V_HEAD_DIM_CASES = [
 @needs_kernels
 @pytest.mark.parametrize("head_dim, v_head_dim, layout, n, shard, src, local, dtype, kw", V_HEAD_DIM_CASES)
 def test_step_v_head_dims(head_dim, v_head_dim, layout, n, shard, src, local, dtype, kw):
-    kw = dict(kw)
-    batch = 2 if kw.get("segments") else 1
-    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    kw, batch, segments = _with_docs(kw, local * n)
     _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
                 config=small_for(max(head_dim, v_head_dim)), v_head_dim=v_head_dim, **kw)
 
@@ -228,9 +229,7 @@ FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + 
 @pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
 @pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", FUSED_CASES)
 def test_step_fused_backward(layout, n, shard, src, local, dtype, kw, head_dim):
-    kw = dict(kw)
-    batch = 2 if kw.get("segments") else 1
-    segments = _docs(batch, local * n) if kw.pop("segments", False) else None
+    kw, batch, segments = _with_docs(kw, local * n)
     heads, kv_heads = (4, 2) if src % 2 else (6, 1)  # GQA groups of 2 and 6
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments,
                 config=FUSED, **kw)
