@@ -425,6 +425,16 @@ def test_candidates_fit_shared_memory():
         assert all(max(cfg.smem_bytes(d).values()) <= SMEM_LIMIT for cfg in cands)
 
 
+def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
+    """Mosaic GPU kernel calls in f(q, k, v, do, lse, delta, seg) lowered for CUDA (8 q / 2 kv heads, batch 1)."""
+    s = jax.ShapeDtypeStruct
+    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
+            s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
+            s((1, t), jnp.int32))
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return text.count("stablehlo.custom_call @mosaic_gpu")
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
 @pytest.mark.parametrize("kw", [
     dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
@@ -452,12 +462,7 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
 
-    s = jax.ShapeDtypeStruct
-    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
-            s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
-            s((1, t), jnp.int32))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 3
+    assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 3
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
@@ -480,9 +485,4 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
                                   dkv_num_stages=2)
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
-    s = jax.ShapeDtypeStruct
-    args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
-            s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
-            s((1, t), jnp.int32))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 1
