@@ -125,13 +125,13 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
                          devices=jax.devices()[:math.prod(shape)])
 
 
-def sharded_ring(mesh: Mesh, implementation: str, layout: str = "zigzag"):
+def sharded_ring(mesh: Mesh, implementation: str, layout: str = "zigzag", config=None):
     """The causal ring over mesh axis "sp" inside `jax.shard_map`, as attn(q, k, v) on global arrays in `layout`."""
     spec = P(None, "sp")
 
     def local(q, k, v):
         return ringjax.ring_attention(q, k, v, axis_name="sp", causal=True, layout=layout,
-                                      implementation=implementation)
+                                      implementation=implementation, config=config)
 
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
 
@@ -242,18 +242,29 @@ def run_ring(args, rec: Recorder):
         try:
             inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
             ring, ring_out = timed(sharded_ring(mesh, args.implementation), inputs, flops, args, devices=n)
+            fused, fused_out = {}, None
+            if args.fused:  # the forward ring as one Mosaic GPU kernel that moves K/V itself
+                from ringjax.backends.pallas_mosaic_gpu import MosaicGpuConfig
+
+                fused, fused_out = timed(sharded_ring(mesh, "pallas_mosaic_gpu", config=MosaicGpuConfig(fused=True)),
+                                         inputs, flops, args, devices=n)
             one = [natural(x, n) for x in inputs]
             del inputs
             own, own_out = timed(ringjax_attention(args.implementation, True), one, flops, args)
             check = errors(natural(ring_out, n), own_out)
-            del ring_out, own_out
+            if fused_out is not None:
+                fused = {"fused": fused, "fused_rel_err": errors(natural(fused_out, n), own_out)["rel_err"]}
+            del ring_out, own_out, fused_out
             cudnn = timed_other("cudnn", True, one, flops, args)
+            if fused:
+                fused.update(fused_over_one_device=ratios(fused["fused"], own),
+                             fused_over_cudnn=ratios(fused["fused"], cudnn))
             del one
         except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest size
             rec.add(case, error=failure(e))
             continue
         rec.add(case, implementation=ring["implementation"], ring=ring, one_device=own, cudnn=cudnn,
-                ring_over_one_device=ratios(ring, own), ring_over_cudnn=ratios(ring, cudnn),
+                ring_over_one_device=ratios(ring, own), ring_over_cudnn=ratios(ring, cudnn), **fused,
                 kv_bytes_per_step=kv_elements * itemsize,
                 # backward steps carry the float32 dK, dV accumulators beside K and V
                 kv_bytes_per_step_bwd=kv_elements * (itemsize + 4), **check)
@@ -638,6 +649,7 @@ def table_step(rows):
 
 
 def table_ring(rows):
+    fused = any("fused" in r for r in rows)  # runs with --fused
     body = []
     for r in rows:
         if "ring" not in r:
@@ -648,10 +660,16 @@ def table_ring(rows):
                      tflops(r["one_device"], "fwd_bwd"), tflops(r["cudnn"], "fwd"), tflops(r["cudnn"], "fwd_bwd"),
                      vs_own["fwd"], vs_own["fwd_bwd"], vs_cudnn["fwd"], vs_cudnn["fwd_bwd"],
                      r["kv_bytes_per_step"] / 2**20, r["kv_bytes_per_step_bwd"] / 2**20, r.get("rel_err")])
-    return markdown_table(["devices", "tokens/device", "total T", "implementation", "ring fwd TFLOP/s/device",
-                           "ring fwd+bwd", "one device fwd", "one device fwd+bwd", "cuDNN fwd", "cuDNN fwd+bwd",
-                           "ring/one fwd", "ring/one fwd+bwd", "ring/cuDNN fwd", "ring/cuDNN fwd+bwd",
-                           "K/V MiB per step fwd", "bwd", "rel err vs one device"], body)
+        if fused:
+            f, f_own = r.get("fused") or {}, r.get("fused_over_one_device") or {}
+            body[-1] += [tflops(f, "fwd") if f else "—", tflops(f, "fwd_bwd") if f else "—", f_own.get("fwd"),
+                         f_own.get("fwd_bwd")]
+    head = ["devices", "tokens/device", "total T", "implementation", "ring fwd TFLOP/s/device", "ring fwd+bwd",
+            "one device fwd", "one device fwd+bwd", "cuDNN fwd", "cuDNN fwd+bwd", "ring/one fwd", "ring/one fwd+bwd",
+            "ring/cuDNN fwd", "ring/cuDNN fwd+bwd", "K/V MiB per step fwd", "bwd", "rel err vs one device"]
+    if fused:
+        head += ["fused fwd", "fused fwd+bwd", "fused/one fwd", "fused/one fwd+bwd"]
+    return markdown_table(head, body)
 
 
 def table_strategies(rows):
@@ -986,6 +1004,10 @@ def parser() -> argparse.ArgumentParser:
         if "tokens_per_device" in suite.defaults:
             s.add_argument("--tokens-per-device", type=ints,
                            help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
+        if name == "ring":
+            s.add_argument("--fused", action="store_true",
+                           help="also the fused forward ring (Mosaic GPU, MosaicGpuConfig(fused=True)): one kernel "
+                                "per pass that copies K/V between GPUs itself")
         if name == "strategies":
             s.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "striped"))
             s.add_argument("--no-mha", dest="mha", action="store_false", default=None,

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import ringjax
 from ringjax.backends.pallas_mosaic_gpu.implementation import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
@@ -313,6 +314,87 @@ def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
     got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=FUSED, **kw)
     check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+# the fused forward ring (`fused=True`): the ring axis spans every GPU; cases at several rings, whichever the
+# machine has, plus masks that empty or shorten steps and packed documents across shards
+FUSED_RING_CASES = [c for c in RING_CASES if c[0] > 1] + [
+    (2, "contiguous", "bfloat16", dict(seq=1024, batch=2, heads=4, kv_heads=2, head_dim=128, segments="random"),
+     dict(causal=True)),
+    (2, "contiguous", "bfloat16", dict(seq=1024, heads=8, kv_heads=2, head_dim=64), dict(sliding_window=(100, 0))),
+    (4, "zigzag", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128), dict(causal=True)),
+    (8, "zigzag", "bfloat16", dict(seq=2048, heads=4, kv_heads=2, head_dim=128, segments="random"), dict(causal=True)),
+]
+
+
+@hopper_only
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", FUSED_RING_CASES)
+def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
+    if n != jax.device_count():
+        pytest.skip(f"the fused ring spans every device: case of {n}, {jax.device_count()} here")
+    x = make_inputs(n * 7 + len(kw), dtype=dtype, **xkw)
+    cfg = dataclasses.replace(small_for(max(xkw["head_dim"], xkw.get("v_head_dim") or 0)), fused=True)
+    for mode in ("shard_map", "global"):
+        got = run_ring(x, n, layout=layout, mode=mode, implementation="pallas_mosaic_gpu", config=cfg, **kw)
+        check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+@pytest.mark.parametrize("n, segments", [(2, False), (4, True)])
+def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments):
+    """The fused forward ring is one Mosaic GPU kernel and no collective (segment ids: one all-gather); its
+    gradient is the ring of step kernels (dQ and dK/dV per step) with its ppermutes."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import FUSED_KERNEL, _jax_refusal
+    from ringjax.core.ring import ring_attention_shard
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    if n > jax.device_count():
+        pytest.skip(f"needs {n} devices")
+    mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+    opts = AttentionOptions(softmax_scale=0.1, causal=True, axis_name="sp", axis_size=n, layout="zigzag",
+                            has_segments=segments)
+    cfg = MosaicGpuConfig(fused=True)
+
+    def attn(q, k, v, seg):
+        seg = seg if segments else None
+        return ring_attention_shard(opts, FUSED_KERNEL, cfg, q, k, v, seg, seg, None)
+
+    def grads(q, k, v, seg):
+        return jax.grad(lambda *x: attn(*x, seg)[0].astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    spec = P(None, "sp")
+    sharding = jax.NamedSharding(mesh, spec)
+    args = [jax.ShapeDtypeStruct((1, n * 512, h, 128), jnp.bfloat16, sharding=sharding) for h in (4, 2, 2)]
+    args.append(jax.ShapeDtypeStruct((1, n * 512), jnp.int32, sharding=sharding))
+
+    def lowered(f, out_specs):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=out_specs)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    fwd = lowered(attn, (spec, P(None, None, "sp")))
+    assert fwd.count("stablehlo.custom_call @mosaic_gpu") == 1
+    assert fwd.count("collective_permute") == 0
+    assert fwd.count("all_gather") == (2 if segments else 0)  # segment ids and their offsets, once
+    bwd = lowered(grads, spec)
+    assert bwd.count("stablehlo.custom_call @mosaic_gpu") == 1 + 2 * n
+    assert bwd.count("collective_permute") > 0
+
+
+def test_fused_ring_refusals():
+    """fused=True refuses what its kernel cannot do, naming why; without a ring it is the plain step."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _fused_refusal
+
+    def problem(n, **kw):
+        return registry.Problem(opts=AttentionOptions(axis_name="sp", axis_size=n, **kw), batch=1, seq=1024, heads=4,
+                                kv_heads=2, head_dim=128, dtype="bfloat16", platform="gpu")
+
+    assert _fused_refusal(problem(1)) is None
+    why = _fused_refusal(problem(4, layout="contiguous", window=(100, 0), num_sink_tokens=4))
+    assert why and "sink tokens" in why
+    if jax.device_count() != 3:
+        why = _fused_refusal(problem(3, causal=True))
+        assert why and ("every device" in why or "remote_ref" in why)
 
 
 @hopper_only

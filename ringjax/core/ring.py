@@ -203,6 +203,30 @@ def _sink_info(opts):
     return TokenInfo(pos, None, pos[None, :])
 
 
+def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
+    """What a kernel that moves K/V itself needs of the ring: (step options, the local queries' TokenInfo, the
+    TokenInfo of the keys of each step's source shard in ring order, the step whose keys are this device's own).
+
+    Segment ids and offsets of the sources are gathered once (a few bytes per token); the sink step of a
+    shortened ring is not included (`RingPlan.sink_step`).
+    """
+    t = q.shape[1]
+    shard = shard_index(opts)
+    plan = ring_plan(opts, t)
+    q_info = _infos(opts, shard, q, q_seg)
+
+    def gathered(x):
+        return None if x is None else lax.all_gather(x, opts.axis_name)
+
+    segs, segpos = gathered(kv_seg), gathered(q_info.segpos)
+    infos = []
+    for step in range(plan.num_steps):
+        src = plan.source(shard, step, opts.axis_size)
+        infos.append(TokenInfo(_positions(opts, src, t), None if segs is None else segs[src],
+                               None if segpos is None else segpos[src]))
+    return _without_sinks(opts, plan), q_info, infos, plan.offset
+
+
 def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     b, t, h, _ = q.shape
     n = opts.axis_size

@@ -34,7 +34,11 @@ class MosaicGpuConfig(KernelConfig):
     head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
     its dS^T tiles beside `dkv_num_stages` stages) the two kernels do. Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
-    with the op's `deterministic=True`. `interpret=True` runs the same
+    with the op's `deterministic=True`. `fused`: the forward ring as one kernel per call that copies the
+    other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it
+    computes on its own, instead of a kernel per ring step with ppermutes between them: K/V of every
+    source are resident at once (O(sequence) per device, not O(sequence / devices)); the ring axis must
+    span every device. `interpret=True` runs the same
     kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
     eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
     cores).
@@ -48,6 +52,7 @@ class MosaicGpuConfig(KernelConfig):
     dkv_num_stages: int = int_in(2, 6, default=3)
     pair_heads: bool = True
     bwd_fused: bool = False
+    fused: bool = False
     interpret: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,

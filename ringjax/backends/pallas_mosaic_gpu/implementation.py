@@ -8,7 +8,8 @@ import functools
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
 from ringjax.core.problem import Problem
-from ringjax.core.ring import BlockKernel, ring_attention_shard
+from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
+from ringjax.core.schedule import ring_plan
 from ringjax.core.tiles import block_stride
 
 # epilogue chunks (kernels._write_rows) are 32 columns: split in halves, a head_dim must be a multiple of 64
@@ -34,7 +35,18 @@ def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
     return block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
 
 
+def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config):
+    from ringjax.backends.pallas_mosaic_gpu.kernels import fused_ring_fwd
+
+    step_opts, q_info, k_infos, local = ring_sources(opts, q, q_seg, kv_seg)
+    return fused_ring_fwd(q, k, v, q_info, k_infos, opts.axis_name, opts.axis_size, local, extras, step_opts,
+                          config)
+
+
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
+# `MosaicGpuConfig(fused=True)`: the forward ring as one kernel that copies K/V between devices itself;
+# the backward stays the ring of step kernels
+FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused", ring_fwd=_ring_fwd)
 
 
 @functools.cache
@@ -113,7 +125,36 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
         if size > SMEM_LIMIT - 1024:
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
                     f"{SMEM_LIMIT} a Hopper block may use")
+    if config.fused:
+        why = _fused_refusal(problem)
+        if why:
+            return why
     return _jax_refusal() or _device_refusal(problem.platform)
+
+
+def _fused_refusal(problem: Problem) -> str | None:
+    """Why the fused forward ring (`MosaicGpuConfig(fused=True)`) cannot run this call, or None."""
+    import jax
+
+    opts = problem.opts
+    if opts.axis_name is None or opts.axis_size == 1:
+        return None  # no ring: the plain step runs
+    if ring_plan(opts, problem.seq).sink_step:
+        return "fused=True: sink tokens beyond a window-shortened ring take a step of their own; use fused=False"
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if not (hasattr(plgpu, "remote_ref") and hasattr(pl, "get_global")):
+        return f"fused=True needs Pallas Mosaic GPU's remote_ref and pl.get_global, absent in jax {jax.__version__}"
+    # Mosaic GPU addresses peers over all devices: one ring axis over every device, one process for all of
+    # them or one per device
+    devices, processes = jax.device_count(), jax.process_count()
+    if opts.axis_size != devices:
+        return (f"fused=True needs the ring axis to span every device: axis {opts.axis_name!r} has "
+                f"{opts.axis_size} of {devices}")
+    if processes not in (1, devices):
+        return f"fused=True needs one process for all devices or one per device ({processes} for {devices})"
+    return None
 
 
 def default_config(problem: Problem) -> MosaicGpuConfig:
@@ -155,10 +196,11 @@ class PallasMosaicGpuImplementation:
         why = _refusal(problem, config)
         if why is not None:  # an explicit config= can ask for more than supports() checked
             raise ValueError(f"pallas_mosaic_gpu cannot run this call: {why}")
-        return ring_attention_shard(problem.opts, KERNEL, config, q, k, v, q_seg, kv_seg, sinks, extras)
+        kernel = FUSED_KERNEL if config.fused else KERNEL
+        return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
 IMPLEMENTATION = PallasMosaicGpuImplementation()
 
 
-__all__ = ["IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]
+__all__ = ["FUSED_KERNEL", "IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]

@@ -429,11 +429,12 @@ def _row_tile(walk: _Walk, cta, wg):
     return 2 * cta + wg, 0
 
 
-def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool):
+def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool, first_row: int = 0):
     """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and the
-    span the producer streams. Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles."""
+    span the producer streams. Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles;
+    `first_row`: grid rows in front of the first such CTA (the fused ring's copy CTAs)."""
     b = lax.axis_index("b")
-    hx, cta = lax.axis_index("h"), lax.axis_index("q")
+    hx, cta = lax.axis_index("h"), lax.axis_index("q") - first_row
     row = b if has_seg else 0  # the visit table has a batch axis only with segments
     tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
     heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
@@ -467,26 +468,30 @@ def _load(ref, idx, dst, bar, split: bool):
         plgpu.copy_gmem_to_smem(ref.at[(*idx, *cols)], dst.at[part], bar)
 
 
-def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, free, split: bool = False):
+def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, free, split: bool = False,
+               base=0, drain: bool = True):
     """Producer of the forward and dQ kernels: the K and V blocks of `span`, KV head `kvh`, by TMA.
 
-    Visit i goes to slot i % stages once both consumers have released that slot's last use;
-    `refs`, `smem`, `loaded` and `free` are (K, V) pairs.
+    Visit i goes to slot (base + i) % stages once both consumers have released that slot's last use
+    (`base`: visits streamed before, by earlier calls of a fused ring pass); `refs`, `smem`, `loaded`
+    and `free` are (K, V) pairs. `drain`: observe the last releases (the caller does after its last call).
     """
 
     @pl.loop(0, span.steps)
     def _(i):
-        slot = lax.rem(i, jnp.int32(stages))
+        g = base + i
+        slot = lax.rem(g, jnp.int32(stages))
         rows = (b, pl.ds(span.block(i) * bk, bk), kvh)
         for ref, buf, bar, released in zip(refs, smem, loaded, free):  # K first: the consumers need it first
 
-            @pl.when(i >= stages)
+            @pl.when(g >= stages)
             def _():
                 plgpu.barrier_wait(released.at[slot])
 
             _load(ref, rows, buf.at[slot], bar.at[slot], split)
 
-    _drain(span.steps, stages, *free)
+    if drain:
+        _drain(span.steps, stages, *free)
 
 
 def _keep_scale(opts) -> float:
@@ -497,117 +502,229 @@ def _keep_scale(opts) -> float:
 # --------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """Static shape of a fused ring pass: the forward kernel visits the K/V of `steps` source shards in
+    order, sub-step `local` being this device's own; the others arrive by remote TMA into receive slots
+    (sub-step j in slot j, or j - 1 after `local`), sent by `copy_ctas` CTAs in front of the grid."""
+
+    axis_name: str
+    axis_size: int
+    steps: int
+    local: int
+    copy_rows: int  # grid rows of copy CTAs (all heads of the first batch plane)
+    copy_ctas: int
+
+    def slot(self, j):
+        """Receive slot of sub-step j (a traced or a Python int; not the local one)."""
+        return j - (j > self.local)
+
+    def sends(self):
+        """(sub-step, slot) of each destination: device me - local + j takes this device's K/V at sub-step j."""
+        return [(j, self.slot(j)) for j in range(self.steps) if j != self.local]
+
+
+def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
+    """Copy CTA of a fused ring pass: this device's K and V, cut into streamed-block chunks spread over the
+    copy CTAs, staged through the stage slots and stored by TMA into every destination's receive slot;
+    once every store has landed, each destination's semaphore of that slot is signalled once."""
+    k_ref = kv_refs[0]
+    b, s, kvh, _ = k_ref.shape
+    stages, bk = smem[0].shape[:2]
+    nb = s // bk
+    cid = lax.axis_index("q") * (ring.copy_ctas // ring.copy_rows) + lax.axis_index("h")
+    me = lax.axis_index(ring.axis_name)
+    n = jnp.int32(ring.axis_size)
+    dsts = [(lax.rem(me - ring.local + j + n, n), slot) for j, slot in ring.sends()]
+    remotes = [[plgpu.remote_ref(ref, {ring.axis_name: dst}) for ref in recv_refs] for dst, _ in dsts]
+    count = lax.div(b * kvh * nb - cid + ring.copy_ctas - 1, jnp.int32(ring.copy_ctas))
+    # a slot is reloaded only once the stores of `stages` chunks ago (2 per destination) have read it
+    pending = (stages - 1) * 2 * len(dsts)
+
+    @pl.loop(0, count)
+    def _(i):
+        c = cid + i * ring.copy_ctas
+        bi, rest = lax.div(c, jnp.int32(kvh * nb)), lax.rem(c, jnp.int32(kvh * nb))
+        kh, blk = lax.div(rest, jnp.int32(nb)), lax.rem(rest, jnp.int32(nb))
+        st = lax.rem(i, jnp.int32(stages))
+        rows = (bi, pl.ds(blk * bk, bk), kh)
+        plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+        for ref, buf, bar in zip(kv_refs, smem, loaded):
+            plgpu.copy_gmem_to_smem(ref.at[rows], buf.at[st], bar.at[st])
+        for w, (buf, bar) in enumerate(zip(smem, loaded)):
+            plgpu.barrier_wait(bar.at[st])
+            for remote, (_, slot) in zip(remotes, dsts):
+                plgpu.copy_smem_to_gmem(buf.at[st], remote[w].at[(slot, *rows)])
+
+    plgpu.wait_smem_to_gmem(0)  # landed, not only read: the signal tells the destination it may read
+    for dst, slot in dsts:
+        pl.semaphore_signal(sem.at[slot], device_id={ring.axis_name: dst})
+
+
+def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref = r.take(6)
     qseg_ref, kseg_ref = r.take(2, has_seg)
     mod_refs = _mod_refs(opts, r)
-    out_ref, lse_ref, q_smem, k_smem, v_smem, o_smem, lse_smem = r.take(7)
+    out_ref, lse_ref = r.take(2)
+    k_recv, v_recv = r.take(2, ring is not None)
+    q_smem, k_smem, v_smem, o_smem, lse_smem = r.take(5)
     qseg_smem, kseg_smem = r.take(2, has_seg)
     q_bar, k_bar, v_bar, k_free, v_free, sched = r.take(6)
     seg_bar = r.take(1, has_seg)
 
     bk, stages = walk.block, walk.stages
-    b, tiles, heads, bounds, span = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    steps = 1 if ring is None else ring.steps
+    first_row = 0 if ring is None else ring.copy_rows
     wg = lax.axis_index("wg")
+    sem = None if ring is None else pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))
     # without a soft cap or ALiBi the scale stays out of the max and joins exp2 as one FMA
     fold = opts.logits_soft_cap is None and not opts.has_alibi
     scale = opts.softmax_scale * LOG2E if fold else 1.0
+
+    def of_step(ref, j):
+        """A per-source table (visits, key starts, key segments) of sub-step j."""
+        return ref if ring is None or ref is None else ref.at[j]
+
+    def sub_steps(body, carry):
+        """carry = body(j, carry) over the sub-steps (one: the plain step)."""
+        return body(0, carry) if steps == 1 else lax.fori_loop(0, steps, body, carry)
 
     def schedule():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < 2)
-    def _consumer():
-        plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
-        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
-        mods = _Mods.read(opts, mod_refs, b, head)
-        q0 = tile * ROWS
-        qpos0 = qstart_ref[tile]
-        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
-        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
-        plgpu.barrier_wait(q_bar.at[wg])
+    def attention():
+        b, tiles, heads, bounds, _ = _row_tiles_of_cta(walk, of_step(rng_ref, 0), has_seg, first_row)
 
-        def wait_next_k(i):
-            """Wait for the K of visit i + 1 (consumers wait for each K once, in order)."""
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
+            tile, head, _ = _consumer_share(wg, tiles, heads, bounds)
+            mods = _Mods.read(opts, mod_refs, b, head)
+            q0 = tile * ROWS
+            qpos0 = qstart_ref[tile]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
+            qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
+            plgpu.barrier_wait(q_bar.at[wg])
 
-            @pl.when(i + 1 < span.steps)
-            def _():
-                plgpu.barrier_wait(k_bar.at[lax.rem(i + 1, jnp.int32(stages))])
+            def sub_step(j, carry):
+                *state, base = carry
+                _, _, _, j_bounds, span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row)
+                my = _consumer_share(wg, tiles, heads, j_bounds)[2]
+                kstart, kseg_j = of_step(kstart_ref, j), of_step(kseg_ref, j)
 
-        def step(i, blk, carry, kind):
-            acc, m, row_sum = carry
-            slot = lax.rem(i, jnp.int32(stages))
-            if kind == "skip":
-                schedule()
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(sched)
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_wait(sched)
-                plgpu.barrier_arrive(v_free.at[slot])
-                wait_next_k(i)
-                return carry
+                def wait_next_k(i):
+                    """Wait for the K of visit i + 1 (consumers wait for each K once, in order)."""
 
-            # the other consumer's softmax runs while this matmul does
-            s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
-                           emulate=emulate)
-            plgpu.barrier_arrive(k_free.at[slot])
-            pos = None
-            if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
-                pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
-            if not fold:
-                s, _ = _scores2(s, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
-            if kind == "masked":
-                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                s = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), s, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1) * scale)
-            # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
-            alpha = jnp.exp2(m - m_use)
-            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
-            keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
-            if keep is not None:
-                p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
-            p16 = p.astype(q_ref.dtype)
-            acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)
+                    @pl.when(i + 1 < span.steps)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(base + i + 1, jnp.int32(stages))])
 
-            # the next K's barrier is awaited while this matmul runs
-            (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(i))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, row_sum
+                def step(i, blk, carry, kind):
+                    acc, m, row_sum = carry
+                    slot = lax.rem(base + i, jnp.int32(stages))
+                    if kind == "skip":
+                        schedule()
+                        plgpu.barrier_arrive(k_free.at[slot])
+                        plgpu.barrier_arrive(sched)
+                        plgpu.barrier_wait(v_bar.at[slot])
+                        plgpu.barrier_wait(sched)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        wait_next_k(i)
+                        return carry
 
-        init = (_zeros((ROWS, v_ref.shape[-1])), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                                     plgpu.Layout.WGMMA.reduce(1)),
-                _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
-        pl.when(wg == 1)(schedule)
+                    # the other consumer's softmax runs while this matmul does
+                    s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
+                                   emulate=emulate)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    pos = None
+                    if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                        pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
+                    if not fold:
+                        s, _ = _scores2(s, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
+                    if kind == "masked":
+                        kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
+                        s = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), s, -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                    # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
+                    alpha = jnp.exp2(m - m_use)
+                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
+                    keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
+                    if keep is not None:
+                        p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
+                    p16 = p.astype(q_ref.dtype)
+                    acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    plgpu.barrier_wait(sched)
 
-        @pl.when(span.steps > 0)
-        def _():
-            plgpu.barrier_wait(k_bar.at[0])
+                    # the next K's barrier is awaited while this matmul runs
+                    (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(i))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, row_sum
 
-        acc, m, row_sum = _walk_tile(span, my, step, init, walk)
-        pl.when(wg == 0)(schedule)
+                @pl.when(span.steps > 0)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(base, jnp.int32(stages))])
 
-        seen = row_sum > 0.0
-        l_safe = jnp.where(seen, row_sum, 1.0)
-        norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
-        acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
-        lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
-        _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
-        plgpu.wait_smem_to_gmem(0)
+                state = _walk_tile(span, my, step, tuple(state), walk)
+                return (*state, base + span.steps)
 
-    @pl.when(wg == 2)
-    def _producer():
-        plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
-        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), span, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
-                   (k_bar, v_bar), (k_free, v_free))
+            init = (_zeros((ROWS, v_ref.shape[-1])), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                                                         plgpu.Layout.WGMMA.reduce(1)),
+                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)), jnp.int32(0))
+            pl.when(wg == 1)(schedule)
+            acc, m, row_sum, _ = sub_steps(sub_step, init)
+            pl.when(wg == 0)(schedule)
+
+            seen = row_sum > 0.0
+            l_safe = jnp.where(seen, row_sum, 1.0)
+            norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
+            acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
+            lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+            _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
+            kvh = lax.div(heads[0], jnp.int32(groups))
+            stream = functools.partial(_stream_kv, b, kvh, smem=(k_smem, v_smem), loaded=(k_bar, v_bar),
+                                       free=(k_free, v_free), drain=False)
+
+            def sub_step(j, base):
+                span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row)[4]
+                if ring is None:
+                    stream(span, bk, stages, (k_ref, v_ref), base=base)
+                else:
+                    @pl.when(j == ring.local)
+                    def _():
+                        stream(span, bk, stages, (k_ref, v_ref), base=base)
+
+                    @pl.when((j != ring.local) & (span.steps > 0))
+                    def _():
+                        slot = ring.slot(j)
+                        # every copy CTA of the source signals once its stores have landed
+                        pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
+                        stream(span, bk, stages, (k_recv.at[slot], v_recv.at[slot]), base=base)
+                return base + span.steps
+
+            _drain(sub_steps(sub_step, jnp.int32(0)), stages, k_free, v_free)
+
+    if ring is None:
+        attention()
+        return
+    is_copy = lax.axis_index("q") < ring.copy_rows
+    pl.when(jnp.logical_not(is_copy))(attention)
+
+    @pl.when(is_copy & (wg == 2) & (lax.axis_index("b") == 0))
+    def _():
+        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (k_smem, v_smem), (k_bar, v_bar), sem)
 
 
 def _keys_natural(opts: AttentionOptions) -> bool:
@@ -685,16 +802,39 @@ def _segment_args(q_info: TokenInfo, k_info: TokenInfo):
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions,
               config: MosaicGpuConfig):
+    return _forward(q, k, v, q_info, [k_info], extras, opts, config)
+
+
+# copy CTAs of a fused ring pass: enough to keep NVLink busy, few enough to leave the SMs to attention
+_COPY_CTAS = 16
+
+
+def fused_ring_fwd(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str, axis_size: int,
+                   local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig):
+    """A whole ring pass in one kernel: q against the K/V of the sources whose `TokenInfo`s are `k_infos`
+    (one per sub-step; sub-step `local` is this device's own k, v), the others copied in by remote TMA
+    from the device of each. Returns (out f32, lse) merged over every source."""
+    return _forward(q, k, v, q_info, k_infos, extras, opts, config, ring=(axis_name, axis_size, local))
+
+
+def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extras, opts: AttentionOptions,
+             config: MosaicGpuConfig, ring=None):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bk = _fit(s, config.block_kv, opts, natural=_keys_natural(opts))
-    rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
+    tables = [_visit_table(opts, q_info, k_info, ROWS, bk) for k_info in k_infos]
+    prefix = tables[0][1]
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
                      prefix=prefix)
     has_seg = q_info.seg is not None
-    args = [q, k, v, rng, block_starts(q_info, ROWS), block_starts(k_info, bk), *_segment_args(q_info, k_info),
-            *_mod_args(opts, extras, h)]
+
+    def per_source(xs):
+        return xs[0] if ring is None else jnp.stack(xs)
+
+    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
+    args = [q, k, v, per_source([rng for rng, _ in tables]), block_starts(q_info, ROWS),
+            per_source([block_starts(x, bk) for x in k_infos]), *segs, *_mod_args(opts, extras, h)]
     args = _unify(args)
     dt, dv = q.dtype, v.shape[3]
     scratch = [
@@ -718,8 +858,18 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
         scratch.append(plgpu.Barrier(num_barriers=2))
     out_type = [_compat.struct_like((b, t, h, dv), jnp.float32, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
-    return _launch(_fwd_kernel, args, out_type, scratch, grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
-                   rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
+    grid_h = h // 2 if walk.pair_heads else h
+    rows, static = walk.n_ctas, {}
+    if ring is not None:
+        axis_name, axis_size, local = ring
+        copy_rows = -(-_COPY_CTAS // grid_h)
+        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * grid_h)
+        rows += copy_rows
+        # the receive slots: one per source but this device's own
+        out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
+    outs = _launch(_fwd_kernel, args, out_type, scratch, grid=(grid_h, rows, b), rows="q", walk=walk, groups=g,
+                   has_seg=has_seg, opts=opts, config=config, **static)
+    return outs[0], outs[1]
 
 
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
