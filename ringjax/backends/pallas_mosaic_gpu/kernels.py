@@ -587,8 +587,11 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         return ref if ring is None or ref is None else ref.at[j]
 
     def sub_steps(body, carry):
-        """carry = body(j, carry) over the sub-steps (one: the plain step)."""
-        return body(0, carry) if steps == 1 else lax.fori_loop(0, steps, body, carry)
+        """carry = body(j, carry) over the sub-steps; carry ends with the visits streamed before sub-step j.
+        The plain step starts from a Python 0 (Mosaic GPU cannot lower a constant array as a loop index)."""
+        if steps == 1:
+            return body(0, (*carry, 0))
+        return lax.fori_loop(0, steps, body, (*carry, jnp.int32(0)))
 
     def schedule():
         plgpu.barrier_arrive(sched)
@@ -676,7 +679,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             init = (_zeros((ROWS, v_ref.shape[-1])), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
                                                          plgpu.Layout.WGMMA.reduce(1)),
-                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)), jnp.int32(0))
+                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
             pl.when(wg == 1)(schedule)
             acc, m, row_sum, _ = sub_steps(sub_step, init)
             pl.when(wg == 0)(schedule)
@@ -697,7 +700,8 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             stream = functools.partial(_stream_kv, b, kvh, smem=(k_smem, v_smem), loaded=(k_bar, v_bar),
                                        free=(k_free, v_free), drain=False)
 
-            def sub_step(j, base):
+            def sub_step(j, carry):
+                (base,) = carry
                 span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row)[4]
                 if ring is None:
                     stream(span, bk, stages, (k_ref, v_ref), base=base)
@@ -712,9 +716,9 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         # every copy CTA of the source signals once its stores have landed
                         pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
                         stream(span, bk, stages, (k_recv.at[slot], v_recv.at[slot]), base=base)
-                return base + span.steps
+                return (base + span.steps,)
 
-            _drain(sub_steps(sub_step, jnp.int32(0)), stages, k_free, v_free)
+            _drain(sub_steps(sub_step, ())[0], stages, k_free, v_free)
 
     if ring is None:
         attention()
