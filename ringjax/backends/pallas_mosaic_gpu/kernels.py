@@ -506,14 +506,19 @@ def _keep_scale(opts) -> float:
 class _Ring:
     """Static shape of a fused ring pass: the forward kernel visits the K/V of `steps` source shards in
     order, sub-step `local` being this device's own; the others arrive by remote TMA into receive slots
-    (sub-step j in slot j, or j - 1 after `local`), sent by `copy_ctas` CTAs in front of the grid."""
+    (sub-step j in slot j, or j - 1 after `local`), sent by the copy CTAs.
+
+    The copy CTAs are the first `copy_rows` rows of head 0, every batch row: the first CTAs CUDA
+    dispatches (Pallas hands the grid (heads, rows, batch) to CUDA reversed, batch fastest), so they run
+    before attention CTAs, which wait for the other devices' copies, can fill the SMs. The same rows of
+    the other heads do nothing."""
 
     axis_name: str
     axis_size: int
     steps: int
     local: int
-    copy_rows: int  # grid rows of copy CTAs (all heads of the first batch plane)
-    copy_ctas: int
+    copy_rows: int
+    copy_ctas: int  # copy_rows times the batch
 
     def slot(self, j):
         """Receive slot of sub-step j (a traced or a Python int; not the local one)."""
@@ -532,7 +537,7 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
     b, s, kvh, _ = k_ref.shape
     stages, bk = smem[0].shape[:2]
     nb = s // bk
-    cid = lax.axis_index("q") * (ring.copy_ctas // ring.copy_rows) + lax.axis_index("h")
+    cid = lax.axis_index("q") * b + lax.axis_index("b")
     me = lax.axis_index(ring.axis_name)
     n = jnp.int32(ring.axis_size)
     dsts = [(lax.rem(me - ring.local + j + n, n), slot) for j, slot in ring.sends()]
@@ -723,10 +728,10 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     if ring is None:
         attention()
         return
-    is_copy = lax.axis_index("q") < ring.copy_rows
-    pl.when(jnp.logical_not(is_copy))(attention)
+    copy_row = lax.axis_index("q") < ring.copy_rows
+    pl.when(jnp.logical_not(copy_row))(attention)
 
-    @pl.when(is_copy & (wg == 2) & (lax.axis_index("b") == 0))
+    @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
     def _():
         _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (k_smem, v_smem), (k_bar, v_bar), sem)
 
@@ -866,8 +871,8 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     rows, static = walk.n_ctas, {}
     if ring is not None:
         axis_name, axis_size, local = ring
-        copy_rows = -(-_COPY_CTAS // grid_h)
-        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * grid_h)
+        copy_rows = -(-_COPY_CTAS // b)
+        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * b)
         rows += copy_rows
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
