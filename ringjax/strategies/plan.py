@@ -4,7 +4,8 @@
 device and the time to send its K/V shard to the ring neighbour, says whether the
 transfer hides under the compute, and recommends a layout and block sizes. It is
 napkin math from published peak figures (sources beside each chip), scaled by an
-assumed kernel efficiency; it is not a measurement.
+assumed kernel efficiency; collectives and the ring's per-step cost are measured
+figures where a chip has them (H100), else the link's nominal rate and nothing.
 
 Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
 - a full step is 2 * batch * heads * t^2 * (head_dim + v_head_dim) FLOPs forward (QK^T over q/k's
@@ -18,7 +19,8 @@ Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
   a flash kernel re-reads K/V once per query tile of block_q rows;
 - a step sends K and V (batch * t * kv_heads * (head_dim + v_head_dim) * itemsize bytes) over one
   link in one direction; backward also sends dK and dV, which ringjax accumulates in
-  float32.
+  float32;
+- every step after the first also pays the chip's `ring_step_s` (launches, merges, latency).
 """
 
 from __future__ import annotations
@@ -387,16 +389,18 @@ def strategy_costs(
     backward_flop_factor, v_head_dim) are `plan`'s, with its defaults; `plan` checks them.
 
     Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
-    - ring: `plan` (per-step compute against the K/V transfer it hides), plus the lse merge of
-      each step's float32 output (backward: the dQ accumulation) in HBM;
+    - ring: `plan` (per-step compute against the K/V transfer it hides, the chip's per-step cost), plus
+      the lse merge of each step's float32 output (backward: the dQ accumulation) in HBM;
     - all_gather: gather (devices - 1) K/V shards, then t queries against all keys; backward gathers
       again and reduce-scatters float32 dK/dV. Causal work is the slowest device's: (N - 1/2) / N
       of the keys on the contiguous layout, half on zigzag and striped;
     - ulysses: all-to-all of q, k, v in and out (dout in, dq, dk, dv out backward), each device
-      attending its heads / N heads over the whole sequence (causal work always balanced); K/V heads
+      attending its heads / N heads over the whole sequence (causal work always balanced, plus the
+      hidden pairs its kernel walks across the subshards: `dispatch.costs.visited_pairs`); K/V heads
       repeated up to lcm(kv_heads, N); needs heads divisible by N;
     - hybrid (h, r): ulysses over h devices, then the ring over r with heads / h heads.
-    Collectives are not overlapped with compute. Memory counts gathered or all-to-all copies and
+    Collectives are not overlapped with compute; they take the chip's measured figures where it has
+    them (`Chip.collectives`), else its link rate. Memory counts gathered or all-to-all copies and
     the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
     """
     _check_int("devices", devices)
