@@ -46,6 +46,35 @@ def test_visible_pairs_count_the_mask(causal, window, chunk, sinks, layout, n):
     assert costs.visible_pairs(opts, length // n) == busiest
 
 
+@pytest.mark.parametrize("causal, window, chunk, sinks", [(True, None, None, 0), (True, (9, 0), None, 3),
+                                                          (False, (7, 3), 24, 0), (False, None, 8, 0)])
+@pytest.mark.parametrize("layout, n, subshards", [("zigzag", 1, 2), ("zigzag", 2, 2), ("striped", 1, 4),
+                                                  ("contiguous", 2, 2), ("zigzag", 2, 1)])
+def test_visited_pairs_count_the_walk(causal, window, chunk, sinks, layout, n, subshards):
+    """Per row, a kernel visits the columns from its first visible one to its last in storage order (the hidden
+    ones between under the mask); sink tokens are a prefix of their own."""
+    length = 64
+    opts = AttentionOptions(causal=causal, window=window, chunk_size=chunk, num_sink_tokens=sinks, layout=layout,
+                            axis_size=n, subshards=subshards)
+    base = AttentionOptions(causal=causal, window=window, chunk_size=chunk, layout=layout)
+    pos = [jnp.asarray(local_positions(layout, d, n, length // n, np, subshards)) for d in range(n)]
+
+    def walked(q, k, of_keys):
+        shown = np.asarray(mask_visible(opts, q[:, None], k[None, :], q_segpos=q[:, None], k_segpos=k[None, :]))
+        rows = np.asarray(mask_visible(base, q[:, None], k[None, :]))
+        hidden = sum(int(np.ptp(r.nonzero()[0])) + 1 - int(r.sum()) for r in (rows.T if of_keys else rows) if r.any())
+        return int(shown.sum()) + hidden
+
+    for of_keys in (False, True):
+        busiest = max(sum(walked(pos[d], pos[src], of_keys) for src in range(n)) for d in range(n))
+        assert costs.visited_pairs(opts, length // n, of_keys) == busiest
+    if subshards == 1 or layout == "contiguous":  # positions ascend in storage: nothing hidden is walked
+        assert costs.visited_pairs(opts, length // n) == costs.visible_pairs(opts, length // n)
+    if (causal, window, sinks, layout, n) == (True, None, 0, "zigzag", 1):
+        # chunks 0, 3, 1, 2 of 16: chunk 3's queries walk the rest of chunk 3, chunks 1 and 2 all of it
+        assert costs.visited_pairs(opts, length) == 64 * 65 // 2 + 16 * 15 // 2 + 2 * 16 * 16
+
+
 def test_h100_float32_follows_the_measurements():
     # benchmarks/results/*precision.jsonl: at jax's default precision (TF32) pallas_triton measured 46 ms
     # forward + backward against xla's 53; at "highest" pallas_triton refuses and xla runs
