@@ -306,8 +306,8 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
         return None
     (flops, flops_bwd), n, feats = kernel_flops(problem), calls(problem), cost_features(problem.opts)
     # the causal line where one causal kernel does a triangle of work; a ring's steps, and an all-gather's
-    # local queries against every key, are mostly whole blocks (2 H100, 2026-11-25: all_gather at 8K and
-    # 32K tokens per GPU within 3% of the plain line, 7% over the causal one at 8K:
+    # local queries against every key, are mostly whole blocks (2 H100, 2026-11-25: the all_gather rows at 8K
+    # and 32K tokens per GPU within 2% on the plain line, 8K 7% high on the causal one,
     # benchmarks/results/nvidia-h100-80gb-hbm3_x2_2026-11-25_strategies.jsonl)
     causal = problem.opts.causal and n == 1 and not (problem.opts.gather_kv and problem.opts.axis_size > 1)
     # measured at one head_dim for q, k and v: a v of another width is priced at their mean (the FLOPs'

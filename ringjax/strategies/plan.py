@@ -333,7 +333,7 @@ class StrategyCost:
     strategy: str
     fwd_s: float
     bwd_s: float  # the backward alone
-    comm_s: float  # forward + backward collective time not hidden under compute
+    comm_s: float  # forward + backward collective time not hidden under compute, and the ring's per-step cost
     memory_bytes: float  # buffers beyond the local q, k, v, out and their gradients (backward peak)
     fits: bool  # memory_bytes within memory_fraction of HBM
     note: str = ""  # why it cannot run, or what dominates
