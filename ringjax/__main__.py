@@ -241,14 +241,16 @@ def _cmd_strategy(args) -> int:
     if args.chip not in plan.CHIPS:
         raise ValueError(f"--chip must be one of {sorted(plan.CHIPS)}, got {args.chip!r}")
     chip = plan.CHIPS[args.chip]
-    if args.link_gbps is not None:
-        chip = dataclasses.replace(chip, link_bandwidth=args.link_gbps * 1e9)
+    if args.link_gbps is not None:  # every transfer at that rate: the measured figures go
+        chip = dataclasses.replace(chip, link_bandwidth=args.link_gbps * 1e9, collectives=())
     costs = plan.strategy_costs(
         chip, devices=args.devices, seq_len=args.seq, heads=args.heads, kv_heads=args.kv_heads or args.heads,
         head_dim=args.head_dim, v_head_dim=args.v_head_dim, dtype=args.dtype, causal=args.causal, layout=args.layout,
         batch=args.batch, hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
     )
-    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s), "
+    measured = ", ".join(kind for kind, _ in chip.collectives)
+    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s"
+          + (f"; measured {measured}" if measured else "") + "), "
           f"seq {args.seq} ({args.seq // args.devices} per device), "
           f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, "
           f"head_dim {_head_dims(args.head_dim, args.v_head_dim)}, "
@@ -447,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also predict hybrid with HEAD x RING devices")
     p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s a kernel reaches")
     p.add_argument("--memory-fraction", type=float, default=0.5, help="share of HBM a strategy may use")
-    p.add_argument("--link-gbps", type=float, help="one-way link GB/s to model instead of the chip's nominal figure")
+    p.add_argument("--link-gbps", type=float, help="one-way link GB/s for every transfer (not the chip's figures)")
     p.set_defaults(run=_cmd_strategy)
 
     p = sub.add_parser("explain", help="what ring_attention would run for global shapes, and why (runs nothing)")

@@ -65,18 +65,25 @@ def path_for(device_kind: str, *, shipped: bool = False) -> Path:
 # ---------------------------------------------------------------------------- work
 
 
+def _reach(opts, x: np.ndarray, length: int, of_keys: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """[lo, hi] of the positions in [0, length) that position x pairs with under the causal, window and chunk
+    rules (no sinks, no segments): the keys query x sees, or with `of_keys` the queries that see key x."""
+    lo = np.zeros_like(x)
+    hi = np.full_like(x, length - 1)
+    if opts.causal:
+        lo, hi = (np.maximum(lo, x), hi) if of_keys else (lo, np.minimum(hi, x))
+    if opts.window is not None:
+        left, right = opts.window[::-1] if of_keys else opts.window
+        lo, hi = np.maximum(lo, x - left), np.minimum(hi, x + right)
+    if opts.chunk_size is not None:
+        start = x // opts.chunk_size * opts.chunk_size
+        lo, hi = np.maximum(lo, start), np.minimum(hi, start + opts.chunk_size - 1)
+    return lo, hi
+
+
 def _visible_keys(opts, q: np.ndarray, length: int) -> np.ndarray:
     """Keys of [0, length) each query position in `q` sees, by masks.visible_pairs' rules without segments."""
-    lo = np.zeros_like(q)
-    hi = np.full_like(q, length - 1)
-    if opts.causal:
-        hi = np.minimum(hi, q)
-    if opts.window is not None:
-        left, right = opts.window
-        lo, hi = np.maximum(lo, q - left), np.minimum(hi, q + right)
-    if opts.chunk_size is not None:
-        start = q // opts.chunk_size * opts.chunk_size
-        lo, hi = np.maximum(lo, start), np.minimum(hi, start + opts.chunk_size - 1)
+    lo, hi = _reach(opts, q, length)
     count = np.maximum(hi - lo + 1, 0)
     if opts.num_sink_tokens:  # keys [0, top): the first s tokens, not in the query's future; less those seen
         top = np.minimum(opts.num_sink_tokens, q + 1 if opts.causal else length)
@@ -88,22 +95,71 @@ def _visible_keys(opts, q: np.ndarray, length: int) -> np.ndarray:
 @functools.lru_cache(maxsize=256)
 def visible_pairs(opts, seq: int) -> int:
     """Visible (query, key) pairs of the busiest device: `seq` local queries against the whole axis."""
+    return max(_visible_by_shard(opts, seq))
+
+
+def _visible_by_shard(opts, seq: int) -> list[int]:
     from ringjax.layouts import local_positions
 
     n = opts.axis_size
-    length = seq * n
-    busiest = 0
-    for shard in range(n):
-        q = local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
-        busiest = max(busiest, int(_visible_keys(opts, q, length).sum()))
-    return busiest
+    return [int(_visible_keys(opts, local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64),
+                              seq * n).sum()) for shard in range(n)]
+
+
+def _hidden_in_walk(opts, rows: np.ndarray, cols: np.ndarray, length: int, of_keys: bool) -> int:
+    """Hidden pairs a kernel visits when each row (query, or key `of_keys`) walks the columns from its first
+    visible one to its last in storage order: nonzero only where `cols` is not ascending."""
+    starts = np.flatnonzero(np.diff(cols) < 0) + 1
+    if starts.size == 0:  # ascending: the rules' reach is one contiguous run
+        return 0
+    lo, hi = _reach(opts, rows, length, of_keys)
+    first, last, seen = np.full_like(rows, cols.size), np.zeros_like(rows), np.zeros_like(rows)
+    for begin, run in zip([0, *starts], np.split(cols, starts)):  # ascending runs of positions
+        a = begin + np.searchsorted(run, lo, "left")
+        b = begin + np.searchsorted(run, hi, "right")
+        some = b > a
+        first, last = np.where(some, np.minimum(first, a), first), np.where(some, np.maximum(last, b), last)
+        seen += np.maximum(b - a, 0)
+    return int((np.maximum(last - first, 0) - seen).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def visited_pairs(opts, seq: int, of_keys: bool = False) -> int:
+    """(query, key) pairs the busiest device's kernels compute: the visible ones, and the hidden ones that
+    each query tile (each key tile `of_keys`: the dK/dV walk) passes between its first and last visible
+    block, as ringjax's GPU kernels walk [lo, hi) (`core/visits.py`). Storage order is ascending on every
+    layout shard, so this is `visible_pairs` except with Ulysses' subshards (zigzag over 2 devices holds
+    chunks 0, 3, 1, 2: a causal walk crosses the hidden chunk 3, a third more pairs)."""
+    if opts.subshards == 1:
+        return visible_pairs(opts, seq)
+    from ringjax.layouts import local_positions
+
+    n = opts.axis_size
+    pos = [local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64) for shard in range(n)]
+    base = dataclasses.replace(opts, num_sink_tokens=0)  # sink tokens are walked as a prefix of their own
+    # every shard's K/V visit every device (a ring over subshards is never shortened: schedule.ring_plan)
+    return max(visible + sum(_hidden_in_walk(base, *((pos[src], pos[shard]) if of_keys else (pos[shard], pos[src])),
+                                             seq * n, of_keys) for src in range(n))
+               for shard, visible in enumerate(_visible_by_shard(opts, seq)))
 
 
 def forward_flops(problem: Problem) -> float:
     """Matmul FLOPs of the busiest device's forward: 2 * batch * heads * (head_dim + v_head_dim) per visible
     pair (QK^T contracts q/k's head_dim, PV produces v's)."""
-    pair = 2.0 * problem.batch * problem.heads * (problem.head_dim + problem.v_head_dim)
-    return pair * visible_pairs(problem.opts, problem.seq)
+    return _pair_flops(problem) * visible_pairs(problem.opts, problem.seq)
+
+
+def _pair_flops(problem: Problem) -> float:
+    return 2.0 * problem.batch * problem.heads * (problem.head_dim + problem.v_head_dim)
+
+
+def kernel_flops(problem: Problem) -> tuple[float, float]:
+    """Matmul FLOPs the busiest device's kernels compute (forward, forward + backward) on the visited pairs;
+    the backward (BACKWARD_FACTOR - 1 forwards) walks query tiles for dQ and key tiles for dK/dV: half each."""
+    opts, pair = problem.opts, _pair_flops(problem)
+    fwd = pair * visited_pairs(opts, problem.seq)
+    bwd = pair * (BACKWARD_FACTOR - 1) * (visited_pairs(opts, problem.seq) + visited_pairs(opts, problem.seq, True)) / 2
+    return fwd, fwd + bwd
 
 
 def calls(problem: Problem) -> int:
@@ -248,14 +304,17 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     rates = calibration.rates_for(implementation, problem.dtype, problem.precision)
     if rates is None:
         return None
-    flops, n, feats = forward_flops(problem), calls(problem), cost_features(problem.opts)
-    # the causal line where one causal kernel does the work; a ring's steps are mostly unmasked blocks
-    causal = problem.opts.causal and n == 1
+    (flops, flops_bwd), n, feats = kernel_flops(problem), calls(problem), cost_features(problem.opts)
+    # the causal line where one causal kernel does a triangle of work; a ring's steps, and an all-gather's
+    # local queries against every key, are mostly whole blocks (2 H100, 2026-11-25: the all_gather rows at 8K
+    # and 32K tokens per GPU within 2% on the plain line, 8K 7% high on the causal one,
+    # benchmarks/results/nvidia-h100-80gb-hbm3_x2_2026-11-25_strategies.jsonl)
+    causal = problem.opts.causal and n == 1 and not (problem.opts.gather_kv and problem.opts.axis_size > 1)
     # measured at one head_dim for q, k and v: a v of another width is priced at their mean (the FLOPs'
     # average matmul width)
     dim = (problem.head_dim + problem.v_head_dim) / 2
     fwd = rates.seconds("fwd", flops, n, dim, feats, causal)
-    fwd_bwd = rates.seconds("fwd_bwd", flops * BACKWARD_FACTOR, n, dim, feats, causal)
+    fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, n, dim, feats, causal)
     notes = []
     if rates.lent(dim, feats):
         notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))

@@ -4,7 +4,8 @@
 device and the time to send its K/V shard to the ring neighbour, says whether the
 transfer hides under the compute, and recommends a layout and block sizes. It is
 napkin math from published peak figures (sources beside each chip), scaled by an
-assumed kernel efficiency; it is not a measurement.
+assumed kernel efficiency; collectives and the ring's per-step cost are measured
+figures where a chip has them (H100), else the link's nominal rate and nothing.
 
 Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
 - a full step is 2 * batch * heads * t^2 * (head_dim + v_head_dim) FLOPs forward (QK^T over q/k's
@@ -18,7 +19,8 @@ Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
   a flash kernel re-reads K/V once per query tile of block_q rows;
 - a step sends K and V (batch * t * kv_heads * (head_dim + v_head_dim) * itemsize bytes) over one
   link in one direction; backward also sends dK and dV, which ringjax accumulates in
-  float32.
+  float32;
+- every step after the first also pays the chip's `ring_step_s` (launches, merges, latency).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ringjax.options import LAYOUTS, chunks_per_shard, keywords_of, sequence_chunks
+from ringjax.dispatch.costs import Collective, visible_pairs, visited_pairs
+from ringjax.options import LAYOUTS, AttentionOptions, chunks_per_shard, keywords_of, sequence_chunks
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """Published per-chip figures: dense bf16 FLOP/s, HBM bytes/s, one-way bytes/s to one ring neighbour."""
+    """Per-chip figures: published dense bf16 FLOP/s, HBM bytes/s, one-way bytes/s to one ring neighbour;
+    measured collective and ring-step costs where there are some."""
 
     name: str
     kind: str  # "tpu" or "gpu"
@@ -40,7 +44,29 @@ class Chip:
     link_bandwidth: float
     vmem_budget: int | None = None  # bytes of VMEM a kernel may use by default (TPU)
     hbm_bytes: float = 0.0  # HBM capacity; 0: unknown (no memory limit is applied)
+    # measured (kind, latency + bytes / rate) of "ppermute", "all_gather", "reduce_scatter", "all_to_all", as
+    # bytes each device receives; a kind not listed moves at link_bandwidth with no latency
+    collectives: tuple[tuple[str, Collective], ...] = ()
+    # (forward, backward) seconds the ring pays at each step after the first beyond its kernels and the
+    # transfers they do not hide: launches, the lse merge and gradient sums in HBM, the ppermute's latency
+    ring_step_s: tuple[float, float] = (0.0, 0.0)
 
+    def collective(self, kind: str) -> Collective | None:
+        """The measured figure of `kind`, or None."""
+        return dict(self.collectives).get(kind)
+
+
+# Measured on 2 H100 SXM (NVLink 4 through NVSwitch), jax 0.11.2, 2026-11-25: fitted to
+# benchmarks/results/nvidia-h100-80gb-hbm3_x2_2026-11-25_strategies.jsonl and _ring.jsonl (causal zigzag, bf16,
+# 32 heads, 8 and 32 KV heads, 4K-32K tokens per GPU) as each strategy's time less its kernels' calibrated
+# time (ringjax/configs/calibration/NVIDIA_H100_80GB_HBM3.json), least squares weighted by 1 / the time.
+# all_gather rows (forward one gather, backward a gather and a float32 reduce-scatter): 0.09 ms + bytes at
+# 274 GB/s; a 2-device all-gather is one transfer each way, so the ring's ppermute takes the same figure
+_H100_NVLINK = Collective(0.09e-3, 274e9)
+# ulysses rows (five all-to-alls each way, with the transposes XLA adds around them): 117 GB/s, no latency
+_H100_ALL_TO_ALL = Collective(0.0, 117e9)
+# ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 1.0 ms backward per step
+_H100_RING_STEP = (0.09e-3, 1.0e-3)
 
 CHIPS = {
     # TPU v4: 275 TFLOP/s bf16, 1200 GB/s HBM (cloud.google.com/tpu/docs/v4). ICI: 6 links of
@@ -60,7 +86,9 @@ CHIPS = {
     # H100 SXM: 989 TFLOP/s dense bf16 (the datasheet's 1979 is with sparsity), 3.35 TB/s HBM3,
     # NVLink 4 at 900 GB/s bidirectional (NVIDIA H100 datasheet): through NVSwitch a peer gets
     # all 18 links, 450 GB/s one way. 80 GB HBM3.
-    "h100": Chip("H100 SXM", "gpu", 989e12, 3350e9, 450e9, hbm_bytes=80e9),
+    "h100": Chip("H100 SXM", "gpu", 989e12, 3350e9, 450e9, hbm_bytes=80e9, collectives=(
+        ("ppermute", _H100_NVLINK), ("all_gather", _H100_NVLINK), ("reduce_scatter", _H100_NVLINK),
+        ("all_to_all", _H100_ALL_TO_ALL)), ring_step_s=_H100_RING_STEP),
     # H200 SXM: same compute and NVLink as H100, 4.8 TB/s and 141 GB of HBM3e (NVIDIA H200 datasheet).
     "h200": Chip("H200 SXM", "gpu", 989e12, 4800e9, 450e9, hbm_bytes=141e9),
 }
@@ -249,8 +277,8 @@ def plan(
     fraction = _step_fraction(causal, layout, 1)
     fwd_compute = compute_s(fraction, 1.0, 1)
     bwd_compute = compute_s(fraction, backward_flop_factor, 2)
-    fwd_transfer = kv_bytes / chip.link_bandwidth
-    bwd_transfer = (kv_bytes + kv_bytes * 4 / itemsize) / chip.link_bandwidth  # K, V and f32 dK, dV
+    fwd_transfer = _shift_s(chip, kv_bytes)
+    bwd_transfer = _shift_s(chip, kv_bytes + kv_bytes * 4 / itemsize)  # K, V and f32 dK, dV
 
     def ring_total(transfer, factor, reads):
         total = 0.0
@@ -260,14 +288,16 @@ def plan(
             total += max(step_compute, transfer) if step + 1 < ring_size else step_compute
         return total
 
-    fwd_total = ring_total(fwd_transfer, 1.0, 1)
+    paid_fwd, paid_bwd = ((ring_size - 1) * paid for paid in chip.ring_step_s)
+    fwd_total = ring_total(fwd_transfer, 1.0, 1) + paid_fwd
     # backward ends with one more dK/dV transfer home, with nothing to hide under
-    home = kv_bytes * 4 / itemsize / chip.link_bandwidth if ring_size > 1 else 0.0
-    bwd_total = ring_total(bwd_transfer, backward_flop_factor, 2) + home
+    home = _shift_s(chip, kv_bytes * 4 / itemsize) if ring_size > 1 else 0.0
+    bwd_total = ring_total(bwd_transfer, backward_flop_factor, 2) + home + paid_bwd
 
     # forward hides when 2*B*H*t^2*W*f/rate >= B*t*KVH*W*s/link (W = head_dim + v_head_dim),
     # i.e. t >= KVH*s*rate / (2*H*f*link)
-    min_t = kv_heads * itemsize * rate / (2.0 * heads * fraction * chip.link_bandwidth)
+    link = chip.collective("ppermute").bytes_per_s if chip.collective("ppermute") else chip.link_bandwidth
+    min_t = kv_heads * itemsize * rate / (2.0 * heads * fraction * link)
 
     notes = []
     if causal and layout == "contiguous":
@@ -276,7 +306,7 @@ def plan(
     if ring_size > 1 and fwd_transfer > fwd_compute:
         notes.append(f"K/V transfer outlasts compute: lengthen the shard to at least {math.ceil(min_t)} tokens, "
                      "or shorten the ring")
-    if chip.kind == "gpu":
+    if chip.kind == "gpu" and chip.collective("ppermute") is None:
         notes.append("GPU link figure is NVLink through NVSwitch; jax.lax.ppermute measured far below it "
                      "(52-65 GB/s on 4 H200, shared/anchors.md)")
     return Plan(
@@ -303,7 +333,7 @@ class StrategyCost:
     strategy: str
     fwd_s: float
     bwd_s: float  # the backward alone
-    comm_s: float  # forward + backward collective time not hidden under compute
+    comm_s: float  # forward + backward collective time not hidden under compute, and the ring's per-step cost
     memory_bytes: float  # buffers beyond the local q, k, v, out and their gradients (backward peak)
     fits: bool  # memory_bytes within memory_fraction of HBM
     note: str = ""  # why it cannot run, or what dominates
@@ -313,16 +343,24 @@ class StrategyCost:
         return self.fwd_s + self.bwd_s
 
 
+def _shift_s(chip: Chip, nbytes: float) -> float:
+    """One ring shift of `nbytes`: the chip's measured ppermute, else its link rate."""
+    measured = chip.collective("ppermute")
+    return measured.seconds(nbytes) if measured is not None else nbytes / chip.link_bandwidth
+
+
 def _collective_s(chip: Chip, kind: str, bytes_in: float, n: int) -> float:
-    """Time for every device to receive `bytes_in` in an all-gather or reduce-scatter ("gather") or an
-    all-to-all ("a2a") over n devices."""
+    """Time for every device to receive `bytes_in` in an "all_gather", "reduce_scatter" or "all_to_all" over
+    n devices: the chip's measured figure, else from its link rate."""
     if n == 1 or bytes_in == 0:
         return 0.0
+    if chip.collective(kind) is not None:
+        return chip.collective(kind).seconds(bytes_in)
     if chip.kind == "gpu":
         return bytes_in / chip.link_bandwidth  # NVSwitch: every peer at the full link rate
     # TPU: the axis is a bidirectional ring of ICI links. A gather streams both ways; in an
     # all-to-all the average message travels n/4 hops, so each of the 2n links carries n/8 of a shard
-    if kind == "gather":
+    if kind != "all_to_all":
         return bytes_in / (2 * chip.link_bandwidth)
     return max(bytes_in / (2 * chip.link_bandwidth), bytes_in * n / (n - 1) * n / (8 * chip.link_bandwidth))
 
@@ -351,16 +389,18 @@ def strategy_costs(
     backward_flop_factor, v_head_dim) are `plan`'s, with its defaults; `plan` checks them.
 
     Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
-    - ring: `plan` (per-step compute against the K/V transfer it hides), plus the lse merge of
-      each step's float32 output (backward: the dQ accumulation) in HBM;
+    - ring: `plan` (per-step compute against the K/V transfer it hides, the chip's per-step cost), plus
+      the lse merge of each step's float32 output (backward: the dQ accumulation) in HBM;
     - all_gather: gather (devices - 1) K/V shards, then t queries against all keys; backward gathers
       again and reduce-scatters float32 dK/dV. Causal work is the slowest device's: (N - 1/2) / N
       of the keys on the contiguous layout, half on zigzag and striped;
     - ulysses: all-to-all of q, k, v in and out (dout in, dq, dk, dv out backward), each device
-      attending its heads / N heads over the whole sequence (causal work always balanced); K/V heads
+      attending its heads / N heads over the whole sequence (causal work always balanced, plus the
+      hidden pairs its kernel walks across the subshards: `dispatch.costs.visited_pairs`); K/V heads
       repeated up to lcm(kv_heads, N); needs heads divisible by N;
     - hybrid (h, r): ulysses over h devices, then the ring over r with heads / h heads.
-    Collectives are not overlapped with compute. Memory counts gathered or all-to-all copies and
+    Collectives are not overlapped with compute; they take the chip's measured figures where it has
+    them (`Chip.collectives`), else its link rate. Memory counts gathered or all-to-all copies and
     the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
     """
     _check_int("devices", devices)
@@ -405,8 +445,8 @@ def strategy_costs(
     compute = _flash_s(chip, rate, flops, q_loc + o_loc, n * kv_loc, t, ring.block_q, 1, frac)
     compute_bwd = _flash_s(chip, rate, flops * backward_flop_factor, q_loc + o_loc, n * kv_loc, t, ring.block_q, 2,
                            frac)
-    gather = _collective_s(chip, "gather", (n - 1) * kv_loc, n)
-    scatter = _collective_s(chip, "gather", (n - 1) * kv_loc * f32, n)
+    gather = _collective_s(chip, "all_gather", (n - 1) * kv_loc, n)
+    scatter = _collective_s(chip, "reduce_scatter", (n - 1) * kv_loc * f32, n)
     costs.append(_cost("all_gather", gather + compute, gather + compute_bwd + scatter, 2 * gather + scatter,
                        n * kv_loc * (1 + f32), budget, "K/V of the whole sequence on every device"))
 
@@ -417,10 +457,10 @@ def strategy_costs(
                                 f"heads ({heads}) not divisible by {h} devices")
         kv_rep = kv_loc * math.lcm(kv_heads, h) / kv_heads
         share = (h - 1) / h
-        a2a_in = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
-        a2a_out = _collective_s(chip, "a2a", share * (o_loc + batch * heads * t * 4), h)
-        a2a_dout = _collective_s(chip, "a2a", share * o_loc, h)
-        a2a_grads = _collective_s(chip, "a2a", share * (q_loc + kv_rep), h)
+        a2a_in = _collective_s(chip, "all_to_all", share * (q_loc + kv_rep), h)
+        a2a_out = _collective_s(chip, "all_to_all", share * (o_loc + batch * heads * t * 4), h)
+        a2a_dout = _collective_s(chip, "all_to_all", share * o_loc, h)
+        a2a_grads = _collective_s(chip, "all_to_all", share * (q_loc + kv_rep), h)
         fwd, bwd, comm, memory = inner(heads // h, math.lcm(kv_heads, h) // h, kv_rep)
         copies = q_loc + 2 * o_loc + kv_rep + (q_loc + kv_rep) * f32  # q, out, dout, k, v; f32 dq, dk, dv
         note = f"K/V heads repeated {math.lcm(kv_heads, h) // kv_heads}x" if kv_heads % h else ""
@@ -430,8 +470,10 @@ def strategy_costs(
     def whole_sequence(h_loc, kvh_loc, kv_rep):
         flops = 2.0 * batch * h_loc * seq_len * seq_len * width * half
         qo_bytes = batch * seq_len * h_loc * width * s
-        fwd = _flash_s(chip, rate, flops, qo_bytes, kv_rep, seq_len, ring.block_q, 1, half)
-        bwd = _flash_s(chip, rate, flops * backward_flop_factor, qo_bytes, kv_rep, seq_len, ring.block_q, 2, half)
+        walk_fwd, walk_bwd = _subshard_walk(causal, layout, n, seq_len)
+        fwd = _flash_s(chip, rate, flops * walk_fwd, qo_bytes, kv_rep, seq_len, ring.block_q, 1, half)
+        bwd = _flash_s(chip, rate, flops * walk_bwd * backward_flop_factor, qo_bytes, kv_rep, seq_len, ring.block_q,
+                       2, half)
         return fwd, bwd, 0.0, 0.0
 
     costs.append(ulysses("ulysses", n, whole_sequence))
@@ -453,12 +495,22 @@ def strategy_costs(
 
 
 def _ring_exposed(p: Plan, dkv_bytes: float) -> float:
-    """Transfer time of a ring that compute does not hide, forward and backward (with dK/dV's trip home)."""
+    """Transfer time of a ring that compute does not hide, forward and backward (with dK/dV's trip home), and
+    the chip's cost of each step."""
     if p.ring_size == 1:
         return 0.0
     steps = p.ring_size - 1
-    return (max(0.0, p.fwd_transfer_s - p.fwd_compute_s) + max(0.0, p.bwd_transfer_s - p.bwd_compute_s)) * steps \
-        + dkv_bytes / p.chip.link_bandwidth
+    return (max(0.0, p.fwd_transfer_s - p.fwd_compute_s) + max(0.0, p.bwd_transfer_s - p.bwd_compute_s)
+            + sum(p.chip.ring_step_s)) * steps + _shift_s(p.chip, dkv_bytes)
+
+
+def _subshard_walk(causal: bool, layout: str, n: int, seq_len: int) -> tuple[float, float]:
+    """Pairs a Ulysses kernel over n devices' subshards visits per visible pair (forward, backward):
+    `dispatch.costs.visited_pairs`."""
+    opts = AttentionOptions(causal=causal, layout=layout, axis_size=1, subshards=n)
+    visible = visible_pairs(opts, seq_len)
+    rows, cols = visited_pairs(opts, seq_len), visited_pairs(opts, seq_len, True)
+    return rows / visible, (rows + cols) / 2 / visible
 
 
 def _cost(name, fwd, bwd, comm, memory, budget, note) -> StrategyCost:

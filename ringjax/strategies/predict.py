@@ -2,13 +2,16 @@
 strategy will run (`dispatch/costs.py`) plus its collectives at measured rates.
 
 Per device, N devices on the axis, t local tokens, s bytes per element:
-- ring: the kernels of every visited step; each step's K/V shift (and backward's K/V + float32 dK/dV)
-  shows only where it outlasts that step's compute; the backward's dK/dV trip home shows whole;
+- ring: the kernels of every visited step, and at each step after the first the chip's ring-step cost
+  (`plan.Chip.ring_step_s`); each step's K/V shift (and backward's K/V + float32 dK/dV) shows only where it
+  outlasts that step's compute; the backward's dK/dV trip home shows whole;
 - all_gather: gather (N - 1) K/V shards forward, again backward, reduce-scatter float32 dK/dV; none hidden;
 - ulysses: q, k, v to whole sequences of H/N heads and out, lse back (one all-to-all each; backward the
-  transposes), (N - 1)/N of each array moving, none hidden.
-Collectives the calibration did not measure are priced at its ring-shift rate; a calibration with none
-at the chip's nominal link rate (`plan.CHIPS`), and the costs say so.
+  transposes), (N - 1)/N of each array moving, none hidden; its kernel walks the subshards' hidden pairs too
+  (`costs.visited_pairs`).
+Collectives are priced by the device kind's calibration where it measured them, else by the chip's measured
+figures (`plan.CHIPS`), else at the calibration's ring-shift rate, else at the chip's nominal link rate; the
+costs say which stand-in they used.
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ from ringjax.strategies import plan
 
 
 def _collective(calibration: costs.Calibration, kind: str, notes: list[str]) -> costs.Collective:
-    found = calibration.collective(kind)
+    if kind in calibration.collectives:
+        return calibration.collectives[kind]
+    chip = plan.chip_for(calibration.device_kind)
+    if chip is not None and chip.collective(kind) is not None:
+        return chip.collective(kind)
+    found = calibration.collective(kind)  # the ring shift's rate standing in
     if found is not None:
-        if found[1] and found[1] not in notes:
+        if found[1] not in notes:
             notes.append(found[1])
         return found[0]
-    chip = plan.chip_for(calibration.device_kind)
     link = chip.link_bandwidth if chip is not None else 50e9
     note = f"collectives priced at {'the nominal' if chip else 'an assumed'} {link / 1e9:.0f} GB/s (none measured)"
     if note not in notes:
@@ -69,10 +76,13 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
     kv_loc = 1.0 * base.batch * base.seq * base.kv_heads * (base.head_dim + base.v_head_dim) * s
     if strategy.name == "ring":
         shift = _collective(calibration, "ppermute", notes)
+        chip = plan.chip_for(calibration.device_kind)
+        paid_fwd, paid_bwd = chip.ring_step_s if chip is not None else (0.0, 0.0)
         steps = costs.calls(problem)
         fwd_step, bwd_step = kernel.fwd_s / steps, (kernel.fwd_bwd_s - kernel.fwd_s) / steps
-        fwd = (steps - 1) * max(0.0, shift.seconds(kv_loc) - fwd_step)
-        bwd = (steps - 1) * max(0.0, shift.seconds(kv_loc * (1 + f32)) - bwd_step) + shift.seconds(kv_loc * f32)
+        fwd = (steps - 1) * (paid_fwd + max(0.0, shift.seconds(kv_loc) - fwd_step))
+        bwd = (steps - 1) * (paid_bwd + max(0.0, shift.seconds(kv_loc * (1 + f32)) - bwd_step)) \
+            + shift.seconds(kv_loc * f32)
         return fwd, bwd, 2 * kv_loc * (1 + f32)
     if strategy.name == "all_gather":
         gather = _collective(calibration, "all_gather", notes).seconds((n - 1) * kv_loc)
