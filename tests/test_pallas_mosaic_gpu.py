@@ -339,6 +339,48 @@ def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
         check_against_reference(got, reference_for(x, **kw), dtype)
 
 
+_BROKEN_HANDSHAKE = """
+import functools, sys
+import jax, jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from ringjax.backends.pallas_mosaic_gpu import implementation as impl
+from ringjax.backends.pallas_mosaic_gpu.config import MosaicGpuConfig
+from ringjax.core.ring import ring_attention_shard
+from ringjax.options import AttentionOptions
+n = jax.device_count()
+mesh = jax.make_mesh((n,), ("sp",))
+opts = AttentionOptions(softmax_scale=0.1, causal=True, axis_name="sp", axis_size=n, layout="zigzag")
+kernel = impl.dataclasses.replace(impl.FUSED_KERNEL, ring_fwd=functools.partial(impl._ring_fwd, signal=False))
+f = jax.jit(jax.shard_map(lambda q, k, v: ring_attention_shard(opts, kernel, MosaicGpuConfig(fused=True), q, k, v,
+                                                              None, None, None)[0],
+                          mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+x = jax.device_put(jax.random.normal(jax.random.key(0), (1, n * 1024, 4, 128), jnp.bfloat16),
+                   jax.NamedSharding(mesh, P(None, "sp")))
+jax.block_until_ready(f(x, x[:, :, :2], x[:, :, 2:]))
+print("FINISHED")
+"""
+
+
+@hopper_only
+def test_fused_ring_broken_handshake_hangs_and_is_stopped():
+    """Copies never announced (no semaphore signal): the kernel must wait for them, not read early;
+    the hang is stopped by a timeout (the GPU context goes with the process)."""
+    import os
+    import subprocess
+    import sys
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    try:
+        done = subprocess.run([sys.executable, "-c", _BROKEN_HANDSHAKE], env=env, capture_output=True, text=True,
+                              timeout=90)
+    except subprocess.TimeoutExpired:
+        return  # it waited, as it must
+    pytest.fail(f"the fused ring ran without its copies being announced (rc {done.returncode}):\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
 @pytest.mark.parametrize("n, segments", [(2, False), (4, True)])
 def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments):

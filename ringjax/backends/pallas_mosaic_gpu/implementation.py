@@ -35,12 +35,12 @@ def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
     return block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config):
+def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, signal: bool = True):
     from ringjax.backends.pallas_mosaic_gpu.kernels import fused_ring_fwd
 
     step_opts, q_info, k_infos, local = ring_sources(opts, q, q_seg, kv_seg)
     return fused_ring_fwd(q, k, v, q_info, k_infos, opts.axis_name, opts.axis_size, local, extras, step_opts,
-                          config)
+                          config, signal=signal)
 
 
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)

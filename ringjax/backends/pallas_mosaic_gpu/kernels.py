@@ -519,6 +519,7 @@ class _Ring:
     local: int
     copy_rows: int
     copy_ctas: int  # copy_rows times the batch
+    signal: bool = True  # False: a broken handshake, for the test that shows one is caught
 
     def slot(self, j):
         """Receive slot of sub-step j (a traced or a Python int; not the local one)."""
@@ -562,7 +563,7 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
                 plgpu.copy_smem_to_gmem(buf.at[st], remote[w].at[(slot, *rows)])
 
     plgpu.wait_smem_to_gmem(0)  # landed, not only read: the signal tells the destination it may read
-    for dst, slot in dsts:
+    for dst, slot in dsts if ring.signal else ():
         pl.semaphore_signal(sem.at[slot], device_id={ring.axis_name: dst})
 
 
@@ -819,11 +820,13 @@ _COPY_CTAS = 16
 
 
 def fused_ring_fwd(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str, axis_size: int,
-                   local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig):
+                   local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig,
+                   signal: bool = True):
     """A whole ring pass in one kernel: q against the K/V of the sources whose `TokenInfo`s are `k_infos`
     (one per sub-step; sub-step `local` is this device's own k, v), the others copied in by remote TMA
-    from the device of each. Returns (out f32, lse) merged over every source."""
-    return _forward(q, k, v, q_info, k_infos, extras, opts, config, ring=(axis_name, axis_size, local))
+    from the device of each. Returns (out f32, lse) merged over every source. `signal=False` (tests only)
+    breaks the handshake: the copies are never announced, so the kernel waits forever."""
+    return _forward(q, k, v, q_info, k_infos, extras, opts, config, ring=(axis_name, axis_size, local, signal))
 
 
 def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extras, opts: AttentionOptions,
@@ -870,9 +873,9 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     grid_h = h // 2 if walk.pair_heads else h
     rows, static = walk.n_ctas, {}
     if ring is not None:
-        axis_name, axis_size, local = ring
+        axis_name, axis_size, local, signal = ring
         copy_rows = -(-_COPY_CTAS // b)
-        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * b)
+        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * b, signal)
         rows += copy_rows
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
