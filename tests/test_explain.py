@@ -1,5 +1,6 @@
 """Predicted times, the choice of `auto`, the "ringjax.implementation" log and `python -m ringjax explain`."""
 
+import dataclasses
 import glob
 import json
 import logging
@@ -141,17 +142,25 @@ def _global_case(case, kind):
                             device_kind=kind)
 
 
+def _as_measured(name, n):
+    """The strategy as the 2026-11-24/25 GPU rows ran it: Ulysses had not yet sorted its tokens (zigzag's
+    chunks 0, 3, 1, 2 walked in that order)."""
+    return dataclasses.replace(spread.bind(name, "sp", {"sp": n}), sort_tokens=False)
+
+
 def test_strategy_predictions_and_choice_on_two_h100():
     # the 2-GPU strategies and ring suites on H100 (jax 0.11.2, 2026-11-25): every prediction within 15% of
     # its measurement, and auto's pick within 5% of the fastest measured (all_gather at 8K tokens per GPU
-    # with 8 KV heads, 8% faster than the ring; elsewhere ring and all_gather within 2% of each other)
+    # with 8 KV heads, 8% faster than the ring; elsewhere ring and all_gather within 2% of each other).
+    # The Ulysses rows ran unsorted and are predicted so; auto's picks use today's (sorted) Ulysses, which
+    # no row measured, so they are checked against the ring and all_gather only
     rows = _strategy_rows("benchmarks/results/nvidia-h100-80gb-hbm3_x2_2026-11-25_*.jsonl")
     assert len(rows) >= 15
     measured = {}
     for path, case, name, ms, implementation, kind in rows:
         base = _global_case(case, kind)
         n = case["devices"]
-        cost, = predict.strategy_costs(base, [spread.bind(name, "sp", {"sp": n})], costs.load(kind),
+        cost, = predict.strategy_costs(base, [_as_measured(name, n)], costs.load(kind),
                                        implementation=implementation)
         assert abs(cost.total_s * 1e3 / ms - 1) < 0.15, (case, name, cost.total_s * 1e3, ms)
         key = (path, *sorted((k, v) for k, v in case.items() if k != "strategy"))  # one run's strategies
@@ -161,7 +170,7 @@ def test_strategy_predictions_and_choice_on_two_h100():
         if len(times) > 1:
             picks += 1
             chosen = spread.decide(base, "sp", {"sp": n})[0].name
-            assert times[chosen] <= 1.05 * min(times.values()), (base, chosen, times)
+            assert chosen != "ulysses" and times[chosen] <= 1.05 * min(times.values()), (base, chosen, times)
             if base.seq == 8192 and base.kv_heads == 8:
                 assert chosen == "all_gather"
     assert picks == 4
@@ -177,7 +186,7 @@ def test_strategy_predictions_on_two_h200():
         base = _problem(kind=H200, seq=tokens, layout="zigzag", axis_size=2)
         predicted = {}
         for name in times:
-            strategy = spread.bind(name, "sp", {"sp": 2})
+            strategy = _as_measured(name, 2)
             implementation = "pallas_mosaic_gpu" if name == "ring" else "pallas_triton"
             cost, = predict.strategy_costs(base, [strategy], calibration, implementation=implementation)
             predicted[name] = cost.total_s * 1e3
