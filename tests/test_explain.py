@@ -176,6 +176,33 @@ def test_strategy_predictions_and_choice_on_two_h100():
     assert picks == 4
 
 
+def test_sorted_ulysses_is_priced_on_visible_pairs_and_its_copy():
+    """Zigzag Ulysses sorts its tokens: its kernel is priced as a plain problem of the whole sequence (no hidden
+    pairs walked), plus a copy of q, k, v, out and lse each way at HBM bandwidth."""
+    calibration, impl = costs.load(H100), "pallas_mosaic_gpu"
+    base = _problem(layout="zigzag", axis_size=2)  # 8K tokens per GPU, 32 / 8 heads
+    new, old = spread.bind("ulysses", "sp", {"sp": 2}), _as_measured("ulysses", 2)
+    problem, unsorted = new.problem(base), old.problem(base)
+    assert (problem.opts.layout, problem.opts.subshards, problem.opts.axis_name, problem.seq) == \
+        ("contiguous", 1, None, 16384)
+    assert costs.kernel_flops(problem)[0] == costs.forward_flops(problem)
+    assert costs.kernel_flops(unsorted)[0] > 1.3 * costs.forward_flops(unsorted)
+    text = explain(shape=(1, 16384, 32, 128), kv_heads=8, causal=True, layout="zigzag", device_kind=H100, devices=2,
+                   strategy="ulysses")
+    assert "per device: batch 1, seq 16384, heads 16/4 kv" in text and "1 on the ring, layout contiguous;" in text
+    (got,), (was,) = (predict.strategy_costs(base, [s], calibration, implementation=impl) for s in (new, old))
+    kernel, kernel_was = (costs.predict(calibration, impl, p) for p in (problem, unsorted))
+    # per device: q and out 64 MiB, k and v 16 MiB, lse 1 MiB, each read and written
+    copy = 2 * (2 * 2**26 + 2 * 2**24 + 2**20) / plan.CHIPS["h100"].hbm_bandwidth
+    assert got.fwd_s == pytest.approx(was.fwd_s - kernel_was.fwd_s + kernel.fwd_s + copy)
+    assert got.total_s == pytest.approx(was.total_s - kernel_was.fwd_bwd_s + kernel.fwd_bwd_s + 2 * copy)
+    assert got.comm_s == was.comm_s and got.total_s < 0.85 * was.total_s
+    # contiguous: already in natural order, nothing copied, the same price sorted or not
+    base = _problem(axis_size=2)
+    (got,), (was,) = (predict.strategy_costs(base, [s], calibration, implementation=impl) for s in (new, old))
+    assert got.total_s == pytest.approx(was.total_s)
+
+
 def test_strategy_predictions_on_two_h200():
     # measured on 2 H200, causal zigzag, 32 / 8 heads, head_dim 128, jax 0.11.2, 2026-11-24 (fwd+bwd ms per GPU):
     # 8K tokens per GPU ring 9.2, all_gather 11.4, ulysses 15.3; 32K ring 128.6, all_gather 165.6;
