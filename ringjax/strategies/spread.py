@@ -142,8 +142,12 @@ class TokenOrder:
 
 @functools.lru_cache(maxsize=64)
 def _sorted(layout: str, ring_size: int, seq: int, subshards: int) -> tuple[str, TokenOrder | None] | None:
+    """`layouts.sorted_shards` with its order as a `TokenOrder`."""
     found = sorted_shards(layout, ring_size, seq, subshards)
-    return found and (found[0], None if found[1] is None else TokenOrder.of(found[1]))
+    if found is None:
+        return None
+    layout, index = found
+    return layout, None if index is None else TokenOrder.of(index)
 
 
 # a permutation's transpose is its inverse: a gather, not the scatter-add autodiff would make of one
