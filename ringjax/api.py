@@ -122,7 +122,7 @@ def ring_attention(
             # other batch/head shards draw other masks (shard_map users fold this in themselves)
             seed = seed + calling.shard_indices(call) * jnp.asarray(_SHARD_SEED_STRIDE, jnp.uint32)
         extras = Extras(alibi_slopes=slopes, dropout_seed=seed)
-        return strategies.run_per_device(strat, impl, problem, config, q, k, v, seg, sinks, extras)
+        return strategies.run_per_device(strat, impl, base, config, q, k, v, seg, sinks, extras)
 
     if call.mode == "single":  # whole sequences on one device: undo explicit sequence sharding
         q, k, v = (_compat.gather_axis(x, 1) for x in (q, k, v))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ringjax import _compat
-from ringjax.options import LAYOUTS, sequence_chunks
+from ringjax.options import LAYOUTS, chunks_per_shard, sequence_chunks
 
 
 def _check(layout: str, axis_size: int, seq: int) -> None:
@@ -119,3 +119,24 @@ def from_layout(x, layout: str, axis_size: int, axis: int = 1, *, out_sharding=N
     if layout == "contiguous":
         return x
     return _reorder(x, np.argsort(_permutation(layout, axis_size, np.shape(x)[axis])), axis, out_sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def sorted_shards(layout: str, axis_size: int, local_len: int, subshards: int) -> tuple[str, np.ndarray | None] | None:
+    """What sorting by position leaves of each device's `local_len` tokens when every device holds
+    `subshards` shards of `layout` (`local_positions`): (the layout whose shards of `axis_size` are then
+    each device's tokens, the order that sorts them: stored index of each sorted token, None if already
+    sorted), or None where no layout's shards are (the sorted tokens of a hybrid's ring device are
+    layout shards only for striped, and for one ring device: the whole sequence).
+    """
+    pos = [local_positions(layout, r, axis_size, local_len, xp=np, subshards=subshards) for r in range(axis_size)]
+    order = np.argsort(pos[0], kind="stable")
+    target = "contiguous" if axis_size == 1 else layout  # one device: every layout holds the whole sequence
+    if local_len % chunks_per_shard(target) or not all(
+            np.array_equal(p[order], local_positions(target, r, axis_size, local_len, xp=np))
+            for r, p in enumerate(pos)):
+        return None
+    if np.array_equal(order, np.arange(local_len)):
+        return target, None
+    order.setflags(write=False)  # cached: shared by every caller
+    return target, order

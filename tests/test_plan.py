@@ -125,12 +125,24 @@ def test_strategy_costs_by_hand():
     # ulysses: half of q, k, v out and half of q (and the f32 lse) back; 16 heads over 16384 tokens
     uly = costs["ulysses"]
     a2a = (0.5 * (q + kv) + 0.5 * (q + 32 * t * 4)) / link
-    # its kernel holds zigzag chunks 0, 3, 1, 2 of c = 4096 tokens: a causal walk also crosses the hidden
-    # pairs of chunk 3 (from chunk 3's queries: c(c-1)/2; from chunks 1 and 2: c^2 each), about 1.31x
+    whole = 4 * 16 * 16384**2 * 128 * 0.5 / 989e12  # balanced causal work of the whole sequence
+    # the all-to-all leaves zigzag chunks 0, 3, 1, 2: sorting them copies q, k, v, out and lse (read, written)
+    sort = 2 * (2 * q + kv + 32 * t * 4) / hbm
+    assert uly.fwd_s == pytest.approx(a2a + sort + whole)
+    assert best_strategy(costs.values()).strategy == "ring"  # all within 5%: the ring is kept
+    # unsorted (as measured before the sort) the kernel walks the chunks as stored: a causal walk also
+    # crosses the hidden pairs of chunk 3 of c = 4096 tokens (from chunk 3's queries: c(c-1)/2; from
+    # chunks 1 and 2: c^2 each), about 1.31x, and nothing is copied
+    old = {c.strategy: c for c in strategy_costs("h200", devices=2, seq_len=16384, heads=32, kv_heads=8,
+                                                 head_dim=128, layout="zigzag", efficiency=1.0, sort_tokens=False)}
     c, visible = 4096, 16384 * 16385 / 2
     walk = (visible + c * (c - 1) / 2 + 2 * c * c) / visible
-    assert uly.fwd_s == pytest.approx(a2a + 4 * 16 * 16384**2 * 128 * 0.5 * walk / 989e12)
-    assert best_strategy(costs.values()).strategy == "ring"  # all within 5%: the ring is kept
+    assert old["ulysses"].fwd_s == pytest.approx(a2a + whole * walk)
+    assert old["ring"] == ring and old["all_gather"] == gather
+    # contiguous: the all-to-all leaves natural order, nothing to sort
+    for layout_costs in (strategy_costs("h200", devices=2, seq_len=16384, heads=32, kv_heads=8, head_dim=128,
+                                        efficiency=1.0, sort_tokens=flag) for flag in (True, False)):
+        assert next(c for c in layout_costs if c.strategy == "ulysses").fwd_s == pytest.approx(a2a + whole)
 
 
 def test_strategy_costs_rule_out_and_prefer():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +127,64 @@ def test_features(strategy, feature, shape, layout, mode):
     shape_kw, kw = FEATURES[feature]
     x = make_inputs(sorted(FEATURES).index(feature) + 10 * len(shape) + 100 * shape[-1], seq=32, **shape_kw)
     _check(x, shape, strategy, layout, mode, **kw)
+
+
+# ---------------------------------------------------------------------------- Ulysses' sorted tokens
+
+
+@pytest.mark.parametrize("strategy, shape, layout, placed", [
+    ("ulysses", (2,), "zigzag", ("contiguous", 1, None)),  # chunks 0, 3, 1, 2 sorted: one plain sequence
+    ("ulysses", (4,), "striped", ("contiguous", 1, None)),
+    ("hybrid", (2, 2), "striped", ("striped", 1, "sp")),  # each ring device's tokens sorted: a striped shard
+    ("hybrid", (2, 2), "zigzag", ("zigzag", 2, "sp")),  # sorted they are no layout's shard: left as they come
+])
+def test_kernel_gets_sorted_tokens(strategy, shape, layout, placed, monkeypatch):
+    """The kernel runs a problem without subshards after a Ulysses all-to-all (where a layout describes the
+    sorted tokens), and the query rows it gets hold the positions that problem gives them."""
+    from ringjax.core.ring import _positions, shard_index
+    from ringjax.dispatch import registry
+
+    mesh = _mesh(shape)
+    axis = "sp" if len(shape) == 1 else ("hp", "sp")
+    n = int(np.prod(shape))
+    problems, checks = [], []
+    run = registry.run_per_device
+
+    def spy(impl, problem, config, q, k, v, seg, sinks, extras):
+        problems.append(problem)
+        pos = _positions(problem.opts, shard_index(problem.opts), problem.seq)
+        jax.debug.callback(checks.append, jnp.all(q[0, :, :, 0] == pos[:, None].astype(q.dtype)))
+        return run(impl, problem, config, q, k, v, seg, sinks, extras)
+
+    monkeypatch.setattr(registry, "run_per_device", spy)
+    seq = 16 * n
+    q = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.float32)[None, :, None, None], (1, seq, 4, 8))  # q = position
+    q = jax.device_put(ringjax.to_layout(q, layout, n), NamedSharding(mesh, P(None, axis)))
+    fn = jax.jit(lambda q: ringjax.ring_attention(q, q, q, axis_name=axis, strategy=strategy, layout=layout,
+                                                  causal=True, implementation="xla"))
+    with jax.set_mesh(mesh):
+        jax.block_until_ready(fn(q))
+    opts = problems[0].opts
+    assert (opts.layout, opts.subshards, opts.axis_name) == placed and problems[0].seq == 16 * shape[0]
+    assert len(checks) == n and all(bool(c) for c in checks)
+
+
+@pytest.mark.parametrize("strategy, shape, layout", [("ulysses", (2,), "zigzag"), ("ulysses", (4,), "striped"),
+                                                     ("hybrid", (2, 2), "striped")])
+def test_sorted_tokens_keep_every_feature(strategy, shape, layout, monkeypatch):
+    """Sorting the tokens changes nothing but the kernel's walk: dropout (hashed on global positions and
+    heads), ALiBi, segments, sink tokens and learnable sinks against the reference, sorted and not."""
+    from ringjax.strategies import spread
+
+    x = make_inputs(61 + len(shape), seq=32, heads=8, kv_heads=2, alibi=True, dropout_key=7, segments="random",
+                    sinks=True)
+    kw = dict(causal=True, dropout_rate=0.25, num_sink_tokens=2)
+    got = _check(x, shape, strategy, layout, "global", **kw)
+    monkeypatch.setattr(spread, "_sorted", lambda *args: None)  # the all-to-all's order (subshards)
+    monkeypatch.setattr(sys.modules[__name__], "_compiled", _compiled.__wrapped__)  # traced afresh
+    unsorted = _check(x, shape, strategy, layout, "global", **kw)
+    for name in got:
+        np.testing.assert_allclose(got[name], unsorted[name], rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -69,7 +69,8 @@ FEATURES: tuple[Feature, ...] = (
             "K/V of the whole axis gathered once instead of travelling the ring (keys in natural order)",
             lambda o: o.gather_kv, ("gather_kv",)),
     Feature("ulysses", "the Ulysses/hybrid subshards", '`strategy="ulysses"` / `"hybrid"`',
-            "an all-to-all to whole sequences of a slice of the heads (a device holds interleaved subshards)",
+            "an all-to-all to whole sequences of a slice of the heads; hybrid over contiguous or zigzag leaves a "
+            "device interleaved subshards (ulysses sorts them into one plain sequence)",
             lambda o: o.subshards > 1, ("subshards",)),
 )
 BY_NAME = {f.name: f for f in FEATURES}

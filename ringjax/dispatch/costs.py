@@ -128,8 +128,9 @@ def visited_pairs(opts, seq: int, of_keys: bool = False) -> int:
     """(query, key) pairs the busiest device's kernels compute: the visible ones, and the hidden ones that
     each query tile (each key tile `of_keys`: the dK/dV walk) passes between its first and last visible
     block, as ringjax's GPU kernels walk [lo, hi) (`core/visits.py`). Storage order is ascending on every
-    layout shard, so this is `visible_pairs` except with Ulysses' subshards (zigzag over 2 devices holds
-    chunks 0, 3, 1, 2: a causal walk crosses the hidden chunk 3, a third more pairs)."""
+    layout shard, so this is `visible_pairs` except with subshards: a hybrid's all-to-all over contiguous or
+    zigzag, or Ulysses with `Strategy.sort_tokens` off (zigzag over 2 devices then holds chunks 0, 3, 1, 2: a
+    causal walk crosses the hidden chunk 3, a third more pairs)."""
     if opts.subshards == 1:
         return visible_pairs(opts, seq)
     from ringjax.layouts import local_positions

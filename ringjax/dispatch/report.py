@@ -41,12 +41,14 @@ class Report:
             masks += ", segments"
         v_dim = "" if p.v_head_dim == p.head_dim else f" (v {p.v_head_dim})"
         deterministic = "; deterministic gradients (no fused backward)" if p.opts.deterministic else ""
+        # subshards: each device's tokens are that many layout shards, concatenated (a hybrid's all-to-all)
+        layout = p.opts.layout + (f" in {p.opts.subshards} subshards" if p.opts.subshards > 1 else "")
         lines = [
             f"{self.op}/{self.implementation}: {self.config_source} config {config}; strategy {self.strategy} "
             f"({self.strategy_reason})",
             f"  per device: batch {p.batch}, seq {p.seq}, heads {p.heads}/{p.kv_heads} kv, "
             f"head_dim {p.head_dim}{v_dim}, {p.dtype}{precision}, {masks}; "
-            f"{p.opts.axis_size} on the ring; {p.device_kind or p.platform}{deterministic}",
+            f"{p.opts.axis_size} on the ring, layout {layout}; {p.device_kind or p.platform}{deterministic}",
         ]
         if self.asked != "auto":
             lines.append(f"  implementation={self.asked!r} was asked for")

@@ -119,7 +119,7 @@ def _time_strategies(op, base, candidates, implementation, settings):
             problem = strategy.problem(base)
             reg, impl = registry.choose(op, implementation, problem)
             config = autotuning.select(op, reg, impl, problem, policy="cached").config
-            run = functools.partial(spread.run_per_device, strategy, impl, problem, config)
+            run = functools.partial(spread.run_per_device, strategy, impl, base, config)
             call = calling.Call("global", strategy.seq_axes, strategy.num_shards, mesh)
             step = autotuning.timed_step(run, call, settings.backward)
             compiled = jax.jit(step).lower(*args).compile()

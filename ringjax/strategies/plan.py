@@ -29,6 +29,7 @@ import dataclasses
 import math
 
 from ringjax.dispatch.costs import Collective, visible_pairs, visited_pairs
+from ringjax.layouts import sorted_shards
 from ringjax.options import LAYOUTS, AttentionOptions, chunks_per_shard, keywords_of, sequence_chunks
 
 
@@ -381,12 +382,14 @@ def strategy_costs(
     layout: str = "contiguous",
     hybrid: tuple[int, int] | None = None,
     memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    sort_tokens: bool = True,
     **workload,
 ) -> tuple[StrategyCost, ...]:
     """Predict ring, all_gather and ulysses over `devices` chips (and hybrid, given (head, ring) sizes).
 
     The other keywords (seq_len, heads, kv_heads, head_dim, dtype, causal, batch, efficiency,
     backward_flop_factor, v_head_dim) are `plan`'s, with its defaults; `plan` checks them.
+    `sort_tokens=False` prices ulysses as it ran before it sorted its tokens (`spread.Strategy.sort_tokens`).
 
     Per device, t = seq_len / devices tokens, s bytes per element, r = the sustained FLOP rate:
     - ring: `plan` (per-step compute against the K/V transfer it hides, the chip's per-step cost), plus
@@ -395,10 +398,12 @@ def strategy_costs(
       again and reduce-scatters float32 dK/dV. Causal work is the slowest device's: (N - 1/2) / N
       of the keys on the contiguous layout, half on zigzag and striped;
     - ulysses: all-to-all of q, k, v in and out (dout in, dq, dk, dv out backward), each device
-      attending its heads / N heads over the whole sequence (causal work always balanced, plus the
-      hidden pairs its kernel walks across the subshards: `dispatch.costs.visited_pairs`); K/V heads
-      repeated up to lcm(kv_heads, N); needs heads divisible by N;
-    - hybrid (h, r): ulysses over h devices, then the ring over r with heads / h heads.
+      attending its heads / N heads over the whole sequence (causal work always balanced) after sorting
+      its tokens where the layout leaves them out of order (`token_sort_s`; unsorted, the kernel walks the
+      subshards' hidden pairs: `dispatch.costs.visited_pairs`); K/V heads repeated up to
+      lcm(kv_heads, N); needs heads divisible by N;
+    - hybrid (h, r): ulysses over h devices, then the ring over r with heads / h heads (tokens sorted
+      on the striped layout, where that leaves a striped shard).
     Collectives are not overlapped with compute; they take the chip's measured figures where it has
     them (`Chip.collectives`), else its link rate. Memory counts gathered or all-to-all copies and
     the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
@@ -457,6 +462,7 @@ def strategy_costs(
                                 f"heads ({heads}) not divisible by {h} devices")
         kv_rep = kv_loc * math.lcm(kv_heads, h) / kv_heads
         share = (h - 1) / h
+        sort = token_sort_s(chip, q_loc + kv_rep + o_loc + batch * heads * t * 4) if sorts(h) else 0.0
         a2a_in = _collective_s(chip, "all_to_all", share * (q_loc + kv_rep), h)
         a2a_out = _collective_s(chip, "all_to_all", share * (o_loc + batch * heads * t * 4), h)
         a2a_dout = _collective_s(chip, "all_to_all", share * o_loc, h)
@@ -464,13 +470,18 @@ def strategy_costs(
         fwd, bwd, comm, memory = inner(heads // h, math.lcm(kv_heads, h) // h, kv_rep)
         copies = q_loc + 2 * o_loc + kv_rep + (q_loc + kv_rep) * f32  # q, out, dout, k, v; f32 dq, dk, dv
         note = f"K/V heads repeated {math.lcm(kv_heads, h) // kv_heads}x" if kv_heads % h else ""
-        return _cost(name, a2a_in + fwd + a2a_out, a2a_dout + bwd + a2a_grads,
+        return _cost(name, a2a_in + sort + fwd + a2a_out, a2a_dout + sort + bwd + a2a_grads,
                      a2a_in + a2a_out + a2a_dout + a2a_grads + comm, copies + memory, budget, note)
+
+    def sorts(h):
+        """Whether an all-to-all over h devices leaves tokens that the strategy moves to sort them."""
+        found = sorted_shards(layout, n // h, seq_len * h // n, h) if sort_tokens else None
+        return found is not None and found[1] is not None
 
     def whole_sequence(h_loc, kvh_loc, kv_rep):
         flops = 2.0 * batch * h_loc * seq_len * seq_len * width * half
         qo_bytes = batch * seq_len * h_loc * width * s
-        walk_fwd, walk_bwd = _subshard_walk(causal, layout, n, seq_len)
+        walk_fwd, walk_bwd = (1.0, 1.0) if sort_tokens else _subshard_walk(causal, layout, n, seq_len)
         fwd = _flash_s(chip, rate, flops * walk_fwd, qo_bytes, kv_rep, seq_len, ring.block_q, 1, half)
         bwd = _flash_s(chip, rate, flops * walk_bwd * backward_flop_factor, qo_bytes, kv_rep, seq_len, ring.block_q,
                        2, half)
@@ -502,6 +513,13 @@ def _ring_exposed(p: Plan, dkv_bytes: float) -> float:
     steps = p.ring_size - 1
     return (max(0.0, p.fwd_transfer_s - p.fwd_compute_s) + max(0.0, p.bwd_transfer_s - p.bwd_compute_s)
             + sum(p.chip.ring_step_s)) * steps + _shift_s(p.chip, dkv_bytes)
+
+
+def token_sort_s(chip: Chip, nbytes: float) -> float:
+    """One direction's sort of a device's tokens after a Ulysses all-to-all (`spread.Strategy.placement`):
+    forward q, k, v in and out, lse back, backward their cotangents; a gather copy of `nbytes`, each byte read
+    and written at HBM bandwidth."""
+    return 2 * nbytes / chip.hbm_bandwidth
 
 
 def _subshard_walk(causal: bool, layout: str, n: int, seq_len: int) -> tuple[float, float]:

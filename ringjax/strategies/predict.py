@@ -7,8 +7,10 @@ Per device, N devices on the axis, t local tokens, s bytes per element:
   outlasts that step's compute; the backward's dK/dV trip home shows whole;
 - all_gather: gather (N - 1) K/V shards forward, again backward, reduce-scatter float32 dK/dV; none hidden;
 - ulysses: q, k, v to whole sequences of H/N heads and out, lse back (one all-to-all each; backward the
-  transposes), (N - 1)/N of each array moving, none hidden; its kernel walks the subshards' hidden pairs too
-  (`costs.visited_pairs`).
+  transposes), (N - 1)/N of each array moving, none hidden; where the layout leaves a device's tokens out of
+  order, sorting them is a copy of q, k, v, out and lse each way (read and written at the chip's HBM
+  bandwidth: `plan.token_sort_s`), and with `Strategy.sort_tokens` off its kernel walks the subshards'
+  hidden pairs instead (`costs.visited_pairs`).
 Collectives are priced by the device kind's calibration where it measured them, else by the chip's measured
 figures (`plan.CHIPS`), else at the calibration's ring-shift rate, else at the chip's nominal link rate; the
 costs say which stand-in they used.
@@ -54,10 +56,12 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
             return None
         notes = [n for n in (f"runs {reg.name}", kernel.note) if n]
         fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes)
+        sort = _token_sort_s(strategy, base, calibration, notes)
         hbm = calibration.hbm_bytes or (getattr(plan.chip_for(calibration.device_kind), "hbm_bytes", 0.0))
         budget = memory_fraction * hbm if hbm else math.inf
-        cost = plan.StrategyCost(strategy.name, kernel.fwd_s + fwd, kernel.fwd_bwd_s - kernel.fwd_s + bwd,
-                                 fwd + bwd, memory, memory <= budget, "; ".join(notes))
+        cost = plan.StrategyCost(strategy.name, kernel.fwd_s + fwd + sort,
+                                 kernel.fwd_bwd_s - kernel.fwd_s + bwd + sort, fwd + bwd, memory, memory <= budget,
+                                 "; ".join(notes))
         if not cost.fits:
             cost = plan._cost(cost.strategy, cost.fwd_s, cost.bwd_s, cost.comm_s, memory, budget, "")
         out.append(cost)
@@ -91,9 +95,30 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
     # ulysses: every array an all-to-all of its own
     a2a = _collective(calibration, "all_to_all", notes)
     share = (n - 1) / n
-    repeat = math.lcm(base.kv_heads, n) / base.kv_heads
-    k_rep, v_rep = (base.batch * base.seq * base.kv_heads * d * s * repeat for d in base.head_dims)
-    lse = base.batch * base.heads * base.seq * 4.0
+    q_loc, k_rep, v_rep, o_loc, lse = _ulysses_arrays(base, n)
     fwd = sum(a2a.seconds(share * b) for b in (q_loc, k_rep, v_rep, o_loc, lse))  # q, k, v in; out, lse back
     bwd = sum(a2a.seconds(share * b) for b in (o_loc, lse, q_loc, k_rep, v_rep))  # dout, dlse in; dq, dk, dv back
     return fwd, bwd, q_loc + 2 * o_loc + k_rep + v_rep + (q_loc + k_rep + v_rep) * f32
+
+
+def _ulysses_arrays(base, n: int) -> tuple[float, ...]:
+    """Bytes per device of the arrays a Ulysses all-to-all over n devices moves: q, k and v (K/V heads repeated to
+    divide over n), out, lse."""
+    import jax.numpy as jnp
+
+    s = jnp.dtype(base.dtype).itemsize
+    repeat = math.lcm(base.kv_heads, n) / base.kv_heads
+    k_rep, v_rep = (base.batch * base.seq * base.kv_heads * d * s * repeat for d in base.head_dims)
+    return (base.batch * base.seq * base.heads * base.head_dim * s, k_rep, v_rep,
+            base.batch * base.seq * base.heads * base.v_head_dim * s, base.batch * base.heads * base.seq * 4.0)
+
+
+def _token_sort_s(strategy, base, calibration: costs.Calibration, notes) -> float:
+    """Seconds, each way, of sorting a device's tokens after the Ulysses all-to-all (0 where none are moved)."""
+    if strategy.head_axis is None or strategy.placement(base)[1] is None:
+        return 0.0
+    chip = plan.chip_for(calibration.device_kind)
+    if chip is None:
+        notes.append("the token sort is not priced: no HBM bandwidth known for this device kind")
+        return 0.0
+    return plan.token_sort_s(chip, sum(_ulysses_arrays(base, strategy.head_size)))
