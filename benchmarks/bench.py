@@ -155,7 +155,7 @@ def timed(attn, inputs, flops: float, args, devices: int = 1, reports: list | No
     `ringjax.implementation` reports of the call are appended to `reports` if given."""
     with ringjax_log() as log:
         timing, out = measure(attn, *inputs, flops, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
-                              devices=devices)
+                              devices=devices, back_to_back=args.back_to_back)
     if reports is not None:
         reports.extend(log.reports)
     return {**picked(log), **timing}, out
@@ -197,7 +197,7 @@ def timed_other(library: str, causal: bool, inputs, flops: float, args, **option
         return {"skipped": why}
     try:
         timing, _ = measure(other_attention(library, causal, **options), *inputs, flops, reps=args.reps,
-                            warmup=args.warmup, budget_s=args.budget)
+                            warmup=args.warmup, budget_s=args.budget, back_to_back=args.back_to_back)
     except Exception as e:  # noqa: BLE001 - a library that refuses a shape is recorded, the rest go on
         return {"error": failure(e)}
     return {"implementation": OTHER_IMPLEMENTATION[library], **timing}
@@ -312,6 +312,8 @@ def run_strategies(args, rec: Recorder):
                 continue
             if strategy == "auto" and "chosen" not in timing:
                 timing["note"] = "ringjax logged no strategy choice"
+            if strategy in ("ulysses", "hybrid"):  # rows before 2026-11-26 ran Ulysses unsorted and lack this
+                timing["sort_tokens"] = True
             rec.add(case, **timing, **check)
         del inputs, ring_out
 
@@ -983,6 +985,10 @@ def parser() -> argparse.ArgumentParser:
                                                    "--tiny 1)")
     common.add_argument("--budget", type=float, default=10.0,
                         help="seconds of timed calls per measurement: slow cases get fewer reps (default 10)")
+    common.add_argument("--back-to-back", type=int, default=1,
+                        help="calls per timed sample, dispatched without a host sync between them as a training "
+                             "loop runs them; the time per call is kept (default 1: every call synced, which adds "
+                             "the host's dispatch and wait to sub-millisecond calls)")
     common.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     common.add_argument("--tiny", action="store_true",
                         help="CPU smoke sizes: T=256, 4 q / 2 kv heads, head_dim 32; seconds per suite")

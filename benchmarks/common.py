@@ -119,12 +119,14 @@ def significant(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budget_s: float, devices: int = 1):
+def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budget_s: float, devices: int = 1,
+            back_to_back: int = 1):
     """Time `attn` forward and forward+backward: (rates(...) fields, forward output).
 
     Each mode's first call compiles and counts as a warm-up; a mode whose first call takes longer
     than `budget_s` gets no further warm-up, and timing stops once `budget_s` is spent. A forward
-    that fails raises; a backward that fails is recorded as `fwd_bwd_error`.
+    that fails raises; a backward that fails is recorded as `fwd_bwd_error`. `back_to_back`: calls per
+    sample without a host sync between them (`timeit`).
     """
     fwd, fwd_bwd = attention_fns(attn)
 
@@ -132,7 +134,7 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
         start = time.perf_counter()
         first = jax.block_until_ready(fn(*args))
         more = 0 if time.perf_counter() - start > budget_s else max(0, warmup - 1)
-        return timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s) * 1e3, first
+        return timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s, back_to_back=back_to_back) * 1e3, first
 
     fwd_ms, out = mode_ms(fwd, q, k, v)
     try:

@@ -62,12 +62,14 @@ class Chip:
 # 32 heads, 8 and 32 KV heads, 4K-32K tokens per GPU) as each strategy's time less its kernels' calibrated
 # time (ringjax/configs/calibration/NVIDIA_H100_80GB_HBM3.json), least squares weighted by 1 / the time.
 # all_gather rows (forward one gather, backward a gather and a float32 reduce-scatter): 0.09 ms + bytes at
-# 274 GB/s; a 2-device all-gather is one transfer each way, so the ring's ppermute takes the same figure
+# 274 GB/s. A 2-device all-to-all is also one transfer each way: the sorted Ulysses rows (whose kernel walks
+# only visible pairs; five all-to-alls each way) fit the same rate with no fixed cost per collective, within
+# 6%. (An earlier fit to unsorted Ulysses, 117 GB/s, had absorbed that kernel's walk over hidden blocks; those
+# rows are now predicted 7-9% low.)
 _H100_NVLINK = Collective(0.09e-3, 274e9)
-# ulysses rows (five all-to-alls each way, with the transposes XLA adds around them): 117 GB/s, no latency
-_H100_ALL_TO_ALL = Collective(0.0, 117e9)
-# ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 1.0 ms backward per step
-_H100_RING_STEP = (0.09e-3, 1.0e-3)
+_H100_ALL_TO_ALL = Collective(0.0, 274e9)
+# ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 0.65 ms backward per step
+_H100_RING_STEP = (0.09e-3, 0.65e-3)
 
 CHIPS = {
     # TPU v4: 275 TFLOP/s bf16, 1200 GB/s HBM (cloud.google.com/tpu/docs/v4). ICI: 6 links of
