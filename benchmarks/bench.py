@@ -613,8 +613,10 @@ def title(rows: list[dict]) -> str:
     r = rows[-1]
     case = next((x["case"] for x in rows if x["case"].get("feature", "plain") == "plain"), r["case"])
     shape = Shape(**{f.name: case[f.name] for f in dataclasses.fields(Shape)}).describe()
+    runs = sorted({x.get("options", {}).get("back_to_back") or 1 for x in rows})
+    timing = "" if runs == [1] else f"; timed {' / '.join(map(str, runs))} calls back to back per sample"
     return (f"**{r['device_kind']} x{r['device_count']}**, jax {r['jax']}, ringjax {r['ringjax']}, "
-            f"{r['time'][:10]} (UTC); {shape}")
+            f"{r['time'][:10]} (UTC); {shape}{timing}")
 
 
 def footnotes(rows: list[dict], what: str) -> list[str]:

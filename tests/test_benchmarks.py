@@ -223,3 +223,19 @@ def test_help_lists_every_suite(bench):
     text = bench.parser().format_help()
     for suite in (*SUITES, "report"):
         assert suite in text
+
+
+def test_back_to_back_dispatches_calls_without_a_sync_between(bench, monkeypatch):
+    """--back-to-back N: each timed sample dispatches N calls and waits once, and counts its time per call."""
+    calls, waits = [], []
+    real_wait = bench.jax.block_until_ready
+
+    def wait(x):
+        waits.append(len(calls))
+        return real_wait(x)
+
+    monkeypatch.setattr(bench.jax, "block_until_ready", wait)
+    bench.timeit(lambda x: calls.append(x) or x + 1, bench.jax.numpy.ones(3), reps=2, warmup=1, back_to_back=5)
+    assert len(calls) == 1 + 2 * 5 and waits == [1, 6, 11]  # one warm-up, then a wait after every 5
+    args = bench.parser().parse_args(["ring", "--back-to-back", "20"])
+    assert args.back_to_back == 20 and bench.parser().parse_args(["ring"]).back_to_back == 1
