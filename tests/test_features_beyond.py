@@ -98,3 +98,24 @@ def test_feature_errors():
         ringjax.ring_attention(q, q, q, axis_name=None, num_sink_tokens=-1)
     with pytest.raises(ValueError, match="alibi_slopes must have shape"):
         ringjax.ring_attention(q, q, q, axis_name=None, alibi_slopes=jnp.ones(3))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_per_document_chunks_are_segments_of_document_chunk_pairs(chunk):
+    """`chunk_size` with `segment_ids` runs as plain segments numbering (id, chunk of its run) pairs: the same
+    mask as the reference's, also for an id that comes back after another (its runs' chunks restart) and
+    for padding (negative ids, of any value)."""
+    import jax.numpy as jnp
+
+    from ringjax.core.ring import _chunk_ids
+
+    from reference import mask_reference
+
+    rng = np.random.default_rng(chunk)
+    seg = rng.integers(-2, 3, size=(3, 48)).repeat(2, axis=1)[:, :64]  # runs of 2+, ids recurring, padding
+    seg[1] = np.sort(seg[1])  # packed documents in order
+    ids = np.asarray(_chunk_ids(jnp.asarray(seg, jnp.int32), chunk))
+    assert (ids[seg < 0] == -1).all() and (ids[seg >= 0] >= 0).all()
+    for causal in (False, True):
+        want = mask_reference(64, causal=causal, segment_ids=seg, chunk_size=chunk)
+        np.testing.assert_array_equal(mask_reference(64, causal=causal, segment_ids=ids), want)

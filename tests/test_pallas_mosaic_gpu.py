@@ -291,6 +291,11 @@ RING_CASES = [
      dict(causal=True, dropout_rate=0.1)),
     (1, "contiguous", "bfloat16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=256, segments="random"),
      dict(causal=True, sliding_window=150)),
+    # per-document chunks (run as segments numbering (document, chunk) pairs)
+    (2, "zigzag", "bfloat16", dict(seq=1024, batch=2, heads=4, kv_heads=2, head_dim=128, segments="random"),
+     dict(causal=True, chunk_size=100)),
+    (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=64, segments="random"),
+     dict(chunk_size=64)),
     # v with a head_dim of its own (multi-head latent attention): split backward, and not
     (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=192, v_head_dim=128), dict(causal=True)),
     (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=1, head_dim=128, v_head_dim=64,
@@ -498,7 +503,6 @@ def _problem(**kw):
      "sink tokens of packed documents (`num_sink_tokens` with `segment_ids`) is not implemented in pallas_mosaic_gpu"),
     (dict(seq=192, opts=AttentionOptions(layout="contiguous", subshards=2)),
      "each of the 2 runs of a device's tokens is 96"),
-    (dict(opts=AttentionOptions(chunk_size=8, has_segments=True)), "per-document chunks"),
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
     (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the two consumers"),

@@ -83,6 +83,8 @@ def _config(**kw):
 CASES = {
     "1dev_gqa_multiblock": (1, "contiguous", dict(seq=32, heads=4, kv_heads=2), dict()),
     "2dev_zigzag_causal_segments": (2, "zigzag", dict(seq=64, segments="random"), dict(causal=True)),
+    # per-document chunks, run as segments numbering (document, chunk) pairs
+    "2dev_striped_chunked_documents": (2, "striped", dict(seq=64, segments="random"), dict(causal=True, chunk_size=5)),
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),

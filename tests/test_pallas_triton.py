@@ -37,6 +37,9 @@ CASES = [
     (4, "striped", "float32", dict(seq=64, heads=4, kv_heads=1), dict()),
     (2, "contiguous", "float32", dict(seq=64, batch=1, head_dim=32), dict(sliding_window=(5, 20))),
     (2, "zigzag", "float32", dict(seq=64), dict(causal=True, chunk_size=24)),
+    # per-document chunks, run as segments numbering (document, chunk) pairs
+    (4, "zigzag", "float32", dict(seq=128, segments="random"), dict(causal=True, chunk_size=6)),
+    (2, "striped", "float32", dict(seq=64, segments="random"), dict(chunk_size=8, sliding_window=(9, 4))),
 ]
 
 
@@ -94,7 +97,7 @@ def _problem(**kw):
 
 
 @pytest.mark.parametrize("kw", [dict(dropout_rate=0.1), dict(num_sink_tokens=2), dict(alibi=True),
-                                dict(chunk_size=8, segment_ids=jnp.zeros((1, 32), jnp.int32))])
+                                dict(num_sink_tokens=2, segment_ids=jnp.zeros((1, 32), jnp.int32))])
 def test_refuses_what_it_lacks(kw):
     kw = dict(kw)
     q = jnp.ones((1, 32, 2, 16))

@@ -264,9 +264,47 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
 _NO_EXTRAS = Extras()
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=_NO_EXTRAS):
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
+    opts, q_seg, kv_seg = _chunks_as_segments(opts, q_seg, kv_seg)
+    return _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+def _chunks_as_segments(opts: AttentionOptions, q_seg, kv_seg):
+    """Per-document chunks (`chunk_size` with `segment_ids`, no sink tokens) as plain segments: two tokens
+    share a chunk of a document iff they have the same segment id and the same chunk index within their run
+    of that id, so ids numbering those (id, chunk) pairs mask exactly the same pairs with no chunk option.
+    Every kernel that takes segments then runs per-document chunks, with no per-token offsets to load."""
+    if opts.chunk_size is None or not opts.has_segments or opts.num_sink_tokens:
+        return opts, q_seg, kv_seg
+    t = q_seg.shape[1]
+    order = _natural_order(opts, t)
+    pos = _positions(opts, shard_index(opts), t)
+
+    def refine(seg):
+        return _chunk_ids(_whole(seg, opts, order), opts.chunk_size)[:, pos]
+
+    q_ids = refine(q_seg)
+    kv_ids = q_ids if kv_seg is q_seg else refine(kv_seg)
+    return dataclasses.replace(opts, chunk_size=None), q_ids, kv_ids
+
+
+def _chunk_ids(whole_seg, chunk_size: int):
+    """[B, T] ids (whole sequence, natural order) equal iff two tokens have the same segment id and the same
+    `_segment_offsets(...) // chunk_size`: the dense rank of that pair in each row; padding (< 0) stays -1."""
+    chunk = _segment_offsets(whole_seg) // chunk_size
+
+    def row(seg, chunk):
+        order = jnp.lexsort((chunk, seg))
+        s, c = seg[order], chunk[order]
+        new = jnp.concatenate([jnp.ones((1,), bool), (s[1:] != s[:-1]) | (c[1:] != c[:-1])])
+        return jnp.zeros_like(seg).at[order].set(jnp.cumsum(new, dtype=seg.dtype) - 1)
+
+    return jnp.where(whole_seg < 0, -1, jax.vmap(row)(whole_seg, chunk)).astype(whole_seg.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=_NO_EXTRAS):
     out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return out, lse
 
@@ -363,4 +401,4 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     return dq, dk, dv, dslopes
 
 
-ring_attention_shard.defvjp(_fwd_rule, _bwd_rule)
+_ring_attention.defvjp(_fwd_rule, _bwd_rule)

@@ -9,6 +9,7 @@ from ringjax.dispatch.registry import register
 
 SUPPORT = Support(
     features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
+                        "chunk_size_segments",
                         "alibi_slopes", "dropout", "num_sink_tokens", "all_gather", "ulysses"}),
     dtypes=("bfloat16", "float16"),
     head_dims=lambda d: d in HEAD_DIMS,
