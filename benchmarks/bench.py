@@ -337,6 +337,7 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
         ("sink_tokens", shape, {"num_sink_tokens": 4, "sliding_window": args.window}, absent("sink tokens")),
         ("chunked", shape, {"chunk_size": args.chunk}, absent("chunked mask")),
         ("segments", shape, {"segment_ids": segments}, absent("segment ids")),
+        ("chunked_documents", shape, {"chunk_size": args.chunk, "segment_ids": segments}, absent("chunked mask")),
         ("soft_cap", shape, {"logits_soft_cap": 30.0}, absent("logits soft cap")),
         ("window", shape, {"sliding_window": args.window}, {"local_window_size": (args.window, 0)}),
         ("learnable_sinks", shape, {"sinks": jnp.zeros((heads,), jnp.float32)}, absent("learnable sinks")),
@@ -1024,11 +1025,10 @@ def parser() -> argparse.ArgumentParser:
         if name == "coverage":
             s.add_argument("--features", type=lambda x: x.split(","),
                            help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<3D/4>, head_dim=<3D/2>, "
-                                "head_dim=<2D>, float32, alibi, "
-                                "dropout, sink_tokens, chunked, segments, soft_cap, window, learnable_sinks "
-                                "(default: all)")
+                                "head_dim=<2D>, float32, alibi, dropout, sink_tokens, chunked, segments, "
+                                "chunked_documents, soft_cap, window, learnable_sinks (default: all)")
             s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
-            s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' (default 2048)")
+            s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' and 'chunked_documents' (default 2048)")
             s.add_argument("--candidates", action="store_true",
                            help="also time every implementation 'auto' could have run, beside its predicted "
                                 "time: is auto the fastest, and how far off are the predictions")

@@ -95,7 +95,8 @@ def check_strategies(rows):
 def check_coverage(rows):
     features = [r["case"]["feature"] for r in rows]
     assert features == ["plain", "head_dim=16", "head_dim=24", "head_dim=48", "head_dim=64", "float32", "alibi",
-                        "dropout", "sink_tokens", "chunked", "segments", "soft_cap", "window", "learnable_sinks"]
+                        "dropout", "sink_tokens", "chunked", "segments", "chunked_documents", "soft_cap", "window",
+                        "learnable_sinks"]
     for r in rows:
         assert r["implementation"] == "xla" and r["finite"]
         assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0 and r["vs_plain"]["fwd"] > 0

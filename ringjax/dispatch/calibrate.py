@@ -25,7 +25,8 @@ from ringjax.dispatch import costs
 _COVERAGE = {
     "plain": {}, "float32": {}, "alibi": {"alibi": True}, "dropout": {"dropout_rate": 0.1},
     "sink_tokens": {"num_sink_tokens": 4, "sliding_window": "window"}, "chunked": {"chunk_size": "chunk"},
-    "segments": {"segments": True}, "soft_cap": {"logits_soft_cap": 30.0}, "window": {"sliding_window": "window"},
+    "segments": {"segments": True}, "chunked_documents": {"chunk_size": "chunk", "segments": True},
+    "soft_cap": {"logits_soft_cap": 30.0}, "window": {"sliding_window": "window"},
     "learnable_sinks": {"sinks": True},
 }
 _SHAPE = ("batch", "heads", "kv_heads", "head_dim", "dtype")
