@@ -354,7 +354,7 @@ def test_fused_ring_on_a_user_mesh(how):
         pytest.skip("the fused ring needs 2 GPUs or more")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
     x = make_inputs(n * 11, seq=512 * n, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16")
-    put = lambda a: jax.device_put(ringjax.to_layout(jnp.asarray(a), "zigzag", n),  # noqa: E731
+    put = lambda a: jax.device_put(ringjax.to_layout(jnp.asarray(a, jnp.bfloat16), "zigzag", n),  # noqa: E731
                                    jax.NamedSharding(mesh, P(None, "sp")))
     q, k, v = (put(x[name]) for name in ("q", "k", "v"))
     kw = dict(causal=True, layout="zigzag", return_lse=True, implementation="pallas_mosaic_gpu",
