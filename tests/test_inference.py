@@ -368,6 +368,34 @@ def test_mosaic_decode_on_hopper(t, window):
     assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) < TOLERANCE[tolerance_key("bfloat16")]
 
 
+@pytest.mark.parametrize("strategy, kw", [
+    ("pass_q", dict()),
+    ("pass_kv", dict(sliding_window=200, logits_soft_cap=20.0)),
+    ("pass_q", dict(causal=False)),
+    ("pass_kv", dict(alibi_slopes=True)),
+])
+def test_mosaic_prefill_on_hopper(strategy, kw):
+    """A 300-token chunk after 700 cached tokens (1200 query rows per KV head) runs the forward kernel on
+    every GPU here: exact against the reference and the XLA partials."""
+    if not ON_HOPPER:
+        pytest.skip("needs an sm90+ GPU (the Mosaic GPU forward kernel)")
+    n = jax.device_count()
+    batch, heads, kv_heads, d, first, t = 2, 8, 2, 128, 700, 300
+    q, k, v = _tokens(12, batch, first + t, "bfloat16", heads=heads, kv_heads=kv_heads, head_dim=d)
+    cache = ringjax.KVCache.create(batch, 1024, kv_heads, d, dtype=jnp.bfloat16, mesh=mesh_of(n) if n > 1 else None)
+    for lo, hi in ((0, first), (first, first + t)):
+        cache = cache.append(jnp.asarray(k[:, lo:hi], jnp.bfloat16), jnp.asarray(v[:, lo:hi], jnp.bfloat16))
+    slopes = np.linspace(0.05, 0.4, heads) if kw.get("alibi_slopes") else None
+    kw = dict(kw, alibi_slopes=None if slopes is None else jnp.asarray(slopes, jnp.float32))
+    qt = jnp.asarray(q[:, first:], jnp.bfloat16)
+    out, lse = ringjax.cache_attention(qt, cache, return_lse=True, strategy=strategy, **kw)
+    ref = attention_reference(q, k, v, causal=kw.get("causal", True), window=kw.get("sliding_window"),
+                              logits_soft_cap=kw.get("logits_soft_cap"), alibi_slopes=slopes)
+    _check(out, lse, ref["out"][:, first:], ref["lse"][:, :, first:], dtype="bfloat16")
+    xla_out = ringjax.cache_attention(qt, cache, strategy=strategy, implementation="xla", **kw)
+    assert rel_err(np.asarray(out, np.float64), np.asarray(xla_out, np.float64)) < TOLERANCE[tolerance_key("bfloat16")]
+
+
 @pytest.mark.parametrize("strategy", ["pass_q", "pass_kv"])
 def test_collectives_per_call(strategy):
     """pass_q: one pmax and one psum of the partial results, nothing travels; pass_kv: the K and V stripes

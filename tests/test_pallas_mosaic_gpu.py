@@ -592,6 +592,7 @@ def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
 @pytest.mark.parametrize("kw", [
     dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
     dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
+    dict(has_segments=True),  # a mask of segment ids only: tiles build no positions (layout inference)
 ])
 @pytest.mark.parametrize("d", [96, 128, 256, (192, 128), (64, 256)])  # (q/k head_dim, v head_dim)
 def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):

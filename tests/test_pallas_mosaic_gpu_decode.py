@@ -39,7 +39,7 @@ def _cache(rng, batch, slots, kv_heads, head_dim, head_dim_v, dtype, parts=1):
              cast(rng.standard_normal((batch, slots, kv_heads, head_dim_v)))) for _ in range(parts)]
 
 
-def _reference(q, q_pos, parts, k_positions, k_len, opts: AttentionOptions):
+def _reference(q, q_pos, parts, k_positions, k_len, opts: AttentionOptions, alibi_slopes=None):
     """float64 (out [B, t, H, Dv], lse [B, t, H]) of q at q_pos against every cache part's keys below k_len."""
     q, q_pos, k_len = np.asarray(q, np.float64), np.asarray(q_pos), np.asarray(k_len)
     b, t, h, d = q.shape
@@ -57,7 +57,7 @@ def _reference(q, q_pos, parts, k_positions, k_len, opts: AttentionOptions):
         dense_q[row, q_pos[row]] = q[row]
     ref = attention_reference(dense_q, dense_k, dense_v, causal=opts.causal, window=opts.window,
                               softmax_scale=opts.softmax_scale, logits_soft_cap=opts.logits_soft_cap,
-                              chunk_size=opts.chunk_size, counts=counts)
+                              chunk_size=opts.chunk_size, alibi_slopes=alibi_slopes, counts=counts)
     rows = np.arange(b)[:, None]
     return ref["out"][rows, q_pos], np.swapaxes(ref["lse"], 1, 2)[rows, q_pos]
 

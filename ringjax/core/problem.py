@@ -85,7 +85,7 @@ class CacheImplementation(Protocol):
     """What a backend module exposes for the `cache_attention` op (e.g. `CACHE_IMPLEMENTATION`)."""
 
     name: str
-    config_type: type
+    config_type: type | tuple[type, ...]
 
     def supports(self, problem: Problem) -> str | None:
         """None if the problem (`seq`: the device's cache slots) can run, else a reason a person can act on."""

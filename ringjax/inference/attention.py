@@ -124,8 +124,9 @@ def cache_attention(
     if config is None:
         config = impl.default_config(problem)
     elif not isinstance(config, impl.config_type):
-        raise TypeError(f"config must be a {impl.config_type.__name__} for implementation {reg.name!r}, "
-                        f"got {type(config).__name__}")
+        types = impl.config_type if isinstance(impl.config_type, tuple) else (impl.config_type,)
+        raise TypeError(f"config must be a {' or '.join(t.__name__ for t in types)} for implementation "
+                        f"{reg.name!r}, got {type(config).__name__}")
     run = spread.RUNS[strategy]
 
     def per_device(q, k, v, lengths, counts, sinks, slopes):

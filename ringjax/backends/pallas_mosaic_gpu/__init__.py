@@ -20,9 +20,9 @@ SUPPORT = Support(
 register("ring_attention", "pallas_mosaic_gpu", platforms=("gpu",), priority=15, support=SUPPORT,
          target=f"{__name__}.implementation:IMPLEMENTATION")
 
-# cache_attention: the split-K decode kernel (decode.py) for a few new tokens against a cache part; its
-# feature table lives beside the kernel, which imports no kernel code until it runs
+# cache_attention: the split-K decode kernel (decode.py) for a few new tokens against a cache part, the
+# forward kernel (prefill.py) for long chunks; neither imports kernel code until it runs
 register("cache_attention", "pallas_mosaic_gpu", platforms=("gpu",), priority=15,
-         target=f"{__name__}.decode:CACHE_IMPLEMENTATION")
+         target=f"{__name__}.cache:CACHE_IMPLEMENTATION")
 
 __all__ = ["SUPPORT", "MosaicGpuConfig"]

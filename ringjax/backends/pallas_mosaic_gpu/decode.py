@@ -17,7 +17,6 @@ CTA equally busy; blocks every query sees whole ([flo, fhi)) skip the element ma
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -431,33 +430,5 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, config: Decod
     return out, lse
 
 
-
-def _cache_shapes(problem: Problem):
-    """q, k, v shapes of one device's `cache_attention` partials: q_seq new tokens against seq cache slots."""
-    b, h, kvh = problem.batch, problem.heads, problem.kv_heads
-    d, dv = problem.head_dims
-    return (b, problem.q_seq or 1, h, d), (b, problem.seq, kvh, d), (b, problem.seq, kvh, dv)
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicGpuCacheImplementation:
-    """`cache_attention`'s per-device partials: the split-K decode kernel (`decode.py`)."""
-
-    name: str = "pallas_mosaic_gpu"
-    config_type: type = DecodeConfig
-
-    def supports(self, problem: Problem) -> str | None:
-        return supports(*_cache_shapes(problem), problem.dtype, problem.opts)
-
-    def default_config(self, problem: Problem) -> DecodeConfig:
-        return default_config(*_cache_shapes(problem), problem.dtype)
-
-    def partials(self, q, k, v, q_pos, k_pos, k_len, opts, *, extras=None, config=None):
-        """`decode.partials`; `extras` carries nothing this kernel takes (supports() refused ALiBi)."""
-        return partials(q, k, v, q_pos, k_pos, k_len, opts, config)
-
-
-CACHE_IMPLEMENTATION = MosaicGpuCacheImplementation()
-
-__all__ = ["CACHE_IMPLEMENTATION", "DecodeConfig", "MosaicGpuCacheImplementation", "SUPPORT", "default_config",
-           "launch", "merge_splits", "partials", "query_rows", "supports", "visit_table"]
+__all__ = ["DecodeConfig", "MAX_ROWS", "SUPPORT", "default_config", "launch", "merge_splits", "partials",
+           "query_rows", "supports", "visit_table"]

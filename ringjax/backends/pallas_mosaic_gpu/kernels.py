@@ -154,12 +154,25 @@ def _tile_positions(shape, row0, col0, walk: _Walk) -> _Pos:
     return _Pos(rows, cols)
 
 
-def _mask(opts, rpos, cpos, rows_are_queries: bool, row_seg=None, col_seg=None):
-    """masks.visible_pairs on a tile's positions (and segment ids: rows [rows], columns [cols])."""
+def _reads_positions(opts) -> bool:
+    """Whether the mask rules read token positions; without them only segment ids decide."""
+    return opts.causal or opts.window is not None or opts.chunk_size is not None or opts.num_sink_tokens > 0
+
+
+def _needs_positions(opts, kind: str) -> bool:
+    """Whether a visit of `kind` reads its tile's positions. Mosaic GPU's layout inference gives up on
+    vectors nobody reads, so a tile builds its positions only where something uses them."""
+    return (kind == "masked" and _reads_positions(opts)) or opts.has_alibi or opts.dropout_rate > 0
+
+
+def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None, col_seg=None):
+    """masks.visible_pairs on a [rows, cols] tile: its positions (None when the rules read none) and segment
+    ids (rows [rows], columns [cols])."""
+    rpos, cpos = pos.full() if _reads_positions(opts) else (None, None)
     rseg = cseg = None
     if row_seg is not None:
-        rseg = lax.broadcast_in_dim(row_seg, rpos.shape, [0])
-        cseg = lax.broadcast_in_dim(col_seg, rpos.shape, [1])
+        rseg = lax.broadcast_in_dim(row_seg, shape, [0])
+        cseg = lax.broadcast_in_dim(col_seg, shape, [1])
     qpos, kpos, qseg, kseg = (rpos, cpos, rseg, cseg) if rows_are_queries else (cpos, rpos, cseg, rseg)
     # sink tokens run here only without segments, where a token's offset in its segment is its position
     segpos = (qpos, kpos) if opts.num_sink_tokens else (None, None)
@@ -182,9 +195,9 @@ class _Mods:
             key = dropout_key(seed_ref[0], seed_ref[1], b * bh_ref[0] + bh_ref[1] + head)
         return cls(slope, key)
 
-    def distance(self, full):
-        """-|i - j| of the tile from its `_Pos.full()` positions (ALiBi's factor), or None without ALiBi."""
-        return None if self.slope is None else alibi_distance_pairs(*full)
+    def distance(self, pos: "_Pos | None"):
+        """-|i - j| of the tile at positions `pos` (ALiBi's factor), or None without ALiBi."""
+        return None if self.slope is None else alibi_distance_pairs(*pos.full())
 
     def keep(self, opts, pos: _Pos, rows_are_queries: bool):
         """Dropout's keep mask of the tile (core/modifiers' hash), or None without dropout."""
@@ -648,13 +661,13 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                    emulate=emulate)
                     plgpu.barrier_arrive(k_free.at[slot])
                     pos = None
-                    if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                    if _needs_positions(opts, kind):
                         pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
                     if not fold:
-                        s, _ = _scores2(s, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
+                        s, _ = _scores2(s, opts, mods.distance(pos), mods)
                     if kind == "masked":
                         kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                        s = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), s, -jnp.inf)
+                        s = jnp.where(_mask(opts, s.shape, pos, True, qseg, kseg), s, -jnp.inf)
                     m_new = jnp.maximum(m, s.max(axis=1) * scale)
                     # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
@@ -952,15 +965,15 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 terms = [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)]
             s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))], terms, emulate)
             plgpu.barrier_arrive(v_free.at[slot])
-            pos = dist = None
-            if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+            pos = None
+            if _needs_positions(opts, kind):
                 pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
-                dist = mods.distance(pos.full())
+            dist = mods.distance(pos)
             s2, t = _scores2(s, opts, dist, mods)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
                 kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                p = jnp.where(_mask(opts, *pos.full(), True, qseg, kseg), p, 0.0)
+                p = jnp.where(_mask(opts, p.shape, pos, True, qseg, kseg), p, 0.0)
             keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
             if keep is not None:
                 dp = jnp.where(keep, dp * _keep_scale(opts), 0.0)
@@ -1071,14 +1084,14 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 else:
                     st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
                 pos = None
-                if kind == "masked" or opts.has_alibi or opts.dropout_rate > 0:
+                if _needs_positions(opts, kind):
                     pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
-                st2, t = _scores2(st, opts, mods.distance(pos.full()) if opts.has_alibi else None, mods)
+                st2, t = _scores2(st, opts, mods.distance(pos), mods)
                 lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
                 pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                 if kind == "masked":
                     qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
-                    pt = jnp.where(_mask(opts, *pos.full(), False, kseg, qseg), pt, 0.0)
+                    pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
                 keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
                 kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                 pt16 = kept.astype(q_ref.dtype)
