@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringjax
 from ringjax.backends.xla import XlaCacheConfig
+from ringjax.strategies import spread
 
 from common import (
     FWD_BWD,
@@ -313,7 +314,7 @@ def run_strategies(args, rec: Recorder):
             if strategy == "auto" and "chosen" not in timing:
                 timing["note"] = "ringjax logged no strategy choice"
             if strategy in ("ulysses", "hybrid"):  # rows before 2026-11-26 ran Ulysses unsorted and lack this
-                timing["sort_tokens"] = True
+                timing["sort_tokens"] = spread.bind(strategy, axis, dict(mesh.shape)).sort_tokens
             rec.add(case, **timing, **check)
         del inputs, ring_out
 

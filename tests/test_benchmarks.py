@@ -89,6 +89,8 @@ def check_strategies(rows):
     for r in rows:
         assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0
         assert r["rel_err_vs_ring"] < 1e-2  # every strategy computes the ring's attention
+        # what the predictions replay (`spread.Strategy.sort_tokens`): recorded where there is an all-to-all
+        assert r.get("sort_tokens") is (True if r["case"]["strategy"] in ("ulysses", "hybrid") else None)
     assert by["auto"]["chosen"] in by and "chose" in by["auto"]["reason"]
 
 

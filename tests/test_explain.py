@@ -150,16 +150,16 @@ def _as_measured(name, n, sort_tokens=False):
     return dataclasses.replace(spread.bind(name, "sp", {"sp": n}), sort_tokens=sort_tokens)
 
 
-def test_strategy_predictions_and_choice_on_two_h100():
-    # the 2-GPU strategies and ring suites on H100 (jax 0.11.2, from 2026-11-25): every prediction within 15% of
-    # its measurement, and auto's pick within 5% of the fastest measured (all_gather at 8K tokens per GPU
-    # with 8 KV heads, 8% faster than the ring; elsewhere ring and all_gather within 2% of each other).
-    # Rows of unsorted Ulysses are predicted as it ran; auto prices today's (sorted) Ulysses, so its pick is
-    # compared with Ulysses' time only where the row ran it sorted
-    rows = _strategy_rows("benchmarks/results/nvidia-h100-80gb-hbm3_x2_*.jsonl")
-    assert len(rows) >= 15
+def _check_strategy_rows(pattern, kind):
+    """Check every strategy row of the results files matching `pattern` (measured on `kind`) against its
+    prediction (within 15%) and auto's pick against the run's fastest measured (within 5%); return
+    {(tokens per device, KV heads): [(auto's pick, {strategy: measured ms}), one per run]} of the runs it
+    checked picks on. Rows of unsorted Ulysses are predicted as it ran; auto prices today's (sorted) Ulysses,
+    so its pick is compared with Ulysses' time only where the row ran it sorted."""
+    rows = _strategy_rows(pattern)
     measured = {}
-    for path, case, name, ms, implementation, kind, sort_tokens in rows:
+    for path, case, name, ms, implementation, row_kind, sort_tokens in rows:
+        assert row_kind == kind, (path, row_kind)
         base = _global_case(case, kind)
         n = case["devices"]
         cost, = predict.strategy_costs(base, [_as_measured(name, n, sort_tokens)], costs.load(kind),
@@ -168,15 +168,33 @@ def test_strategy_predictions_and_choice_on_two_h100():
         key = (path, *sorted((k, v) for k, v in case.items() if k != "strategy"))  # one run's strategies
         if name != "ulysses" or sort_tokens:
             measured.setdefault(key, (base, n, {}))[2][name] = ms
-    picks = 0
+    picks = {}
     for base, n, times in measured.values():
         chosen = spread.decide(base, "sp", {"sp": n})[0].name
         if len(times) > 1 and chosen in times:
-            picks += 1
             assert times[chosen] <= 1.05 * min(times.values()), (base, chosen, times)
-            if base.seq == 8192 and base.kv_heads == 8 and "ulysses" not in times:
-                assert chosen == "all_gather"
-    assert picks >= 4
+            picks.setdefault((base.seq, base.kv_heads), []).append((chosen, times))
+    return rows, picks
+
+
+def test_strategy_predictions_and_choice_on_two_h100():
+    # the 2-GPU strategies and ring suites on H100 (jax 0.11.2, from 2026-11-25): every prediction within 15% of
+    # its measurement, and auto's pick within 5% of the fastest measured (all_gather at 8K tokens per GPU
+    # with 8 KV heads, 8% faster than the ring; elsewhere ring and all_gather within 2% of each other)
+    rows, picks = _check_strategy_rows("benchmarks/results/nvidia-h100-80gb-hbm3_x2_*.jsonl", H100)
+    assert len(rows) >= 15 and sum(map(len, picks.values())) >= 4
+    assert all(chosen == "all_gather" for chosen, times in picks[8192, 8] if "ulysses" not in times)
+
+
+def test_strategy_predictions_and_choice_on_two_h200():
+    # the 2-GPU strategies suite on H200 (jax 0.11.2, 2026-11-26, synced per call; Ulysses sorted): every
+    # prediction within 15% of its measurement and auto's pick within 5% of the fastest measured. At 8K tokens
+    # per GPU sorted Ulysses measured fastest (6% ahead of all_gather, 9-10% of the ring), which the H100's
+    # figures missed (they kept the ring); at 32K the three are within 3% of each other
+    rows, picks = _check_strategy_rows("benchmarks/results/nvidia-h200_x2_*.jsonl", H200)
+    assert len(rows) >= 12 and set(picks) >= {(8192, 8), (8192, 32), (32768, 8), (32768, 32)}
+    assert all(chosen == "ulysses" for tokens, kv_heads in ((8192, 8), (8192, 32))
+               for chosen, _ in picks[tokens, kv_heads])
 
 
 def test_sorted_ulysses_is_priced_on_visible_pairs_and_its_copy():
@@ -225,9 +243,10 @@ def test_strategy_predictions_on_two_h200():
 
 
 def test_strategy_auto_uses_the_calibration():
+    # 8K tokens per GPU, 32 / 8 heads: sorted Ulysses measured fastest on 2 H200 (2026-11-26)
     zigzag = _problem(kind=H200, layout="zigzag", axis_size=2)
     strategy, reason = spread.decide(zigzag, "sp", {"sp": 2})
-    assert strategy.name == "ring" and "predicted on 2 x NVIDIA H200" in reason
+    assert strategy.name == "ulysses" and "predicted on 2 x NVIDIA H200" in reason
     contiguous = _problem(kind=H200, axis_size=2)  # causal imbalance: every device attends the whole sequence
     assert spread.decide(contiguous, "sp", {"sp": 2})[0].name == "ulysses"
 
@@ -236,8 +255,9 @@ def test_explain_names_a_gpu_on_a_cpu_host():
     text = explain(shape=(1, 32768, 32, 128), kv_heads=8, causal=True, layout="zigzag", device_kind=H200, devices=8,
                    strategy="auto")
     first = text.splitlines()[0]
-    assert first.startswith("ring_attention/pallas_mosaic_gpu: ") and "strategy ring over 'sp' of 8" in first
-    assert "per device: batch 1, seq 4096, heads 32/8 kv" in text
+    # 4K tokens per GPU: the ring's seven steps each pay the measured per-step cost, Ulysses' all-to-alls less
+    assert first.startswith("ring_attention/pallas_mosaic_gpu: ") and "strategy ulysses over 'sp' of 8" in first
+    assert "per device: batch 1, seq 32768, heads 4/1 kv" in text and "1 on the ring, layout contiguous" in text
     assert "pallas_tpu: refused: runs on tpu, not gpu" in text
     assert "* pallas_mosaic_gpu: predicted" in text and "pallas_triton: predicted" in text
     assert "strategies on 8 x NVIDIA H200" in text and "nothing was run" in text

@@ -5,7 +5,7 @@ device and the time to send its K/V shard to the ring neighbour, says whether th
 transfer hides under the compute, and recommends a layout and block sizes. It is
 napkin math from published peak figures (sources beside each chip), scaled by an
 assumed kernel efficiency; collectives and the ring's per-step cost are measured
-figures where a chip has them (H100), else the link's nominal rate and nothing.
+figures where a chip has them (H100, H200), else the link's nominal rate and nothing.
 
 Model (per device, local shard t = seq_len / ring_size, G = heads / kv_heads):
 - a full step is 2 * batch * heads * t^2 * (head_dim + v_head_dim) FLOPs forward (QK^T over q/k's
@@ -71,6 +71,25 @@ _H100_ALL_TO_ALL = Collective(0.0, 274e9)
 # ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 0.65 ms backward per step
 _H100_RING_STEP = (0.09e-3, 0.65e-3)
 
+# Measured on 2 H200 SXM (NVLink 4 through NVSwitch), jax 0.11.2, 2026-11-26: fitted to
+# benchmarks/results/nvidia-h200_x2_2026-11-26_strategies.jsonl (causal zigzag, bf16, 32 heads, 8 and 32 KV
+# heads, 8K and 32K tokens per GPU, synced per call) the same way, against
+# ringjax/configs/calibration/NVIDIA_H200.json. The H100's figures put every row within 7%, but the ring 4-5%
+# low, sorted Ulysses up to 6% high and all_gather up to 5% low, which kept the ring (or all_gather) at 8K
+# where Ulysses measured 6-10% faster: all three are refitted. all_gather rows: 0.27 ms + bytes at 379 GB/s
+# (the marginal NVLink rate of docs/performance.md). Sorted Ulysses rows: all-to-all at 387 GB/s with no fixed
+# cost (a free latency fits below zero, as on H100). The calibrated model prices the ring's shifts by the
+# calibration's measured ppermute (chained shifts); the chip-table model by the all_gather figure, as on H100.
+# Predicted / measured fwd+bwd ms (ring, all_gather, ulysses): 8K, 8 KV heads 9.41 / 9.36, 8.93 / 8.99,
+# 8.83 / 8.47 (+4.2%); 8K, 32: 10.16 / 10.16, 10.00 / 9.93, 9.18 / 9.35; 32K, 8: 126.7 / 131.3 (-3.5%),
+# 126.5 / 128.9, 126.7 / 128.4; 32K, 32: 129.7 / 134.2, 130.8 / 133.1, 128.1 / 131.9. auto picks ulysses at
+# 8K (the fastest measured; with 8 KV heads predicted 1% ahead of all_gather, a thin margin) and the ring at
+# 32K (2% behind ulysses there).
+_H200_NVLINK = Collective(0.27e-3, 379e9)
+_H200_ALL_TO_ALL = Collective(0.0, 387e9)
+# ring rows, after the dK/dV trip home at the calibration's ppermute: 0.14 ms forward, 1.07 ms backward per step
+_H200_RING_STEP = (0.14e-3, 1.07e-3)
+
 CHIPS = {
     # TPU v4: 275 TFLOP/s bf16, 1200 GB/s HBM (cloud.google.com/tpu/docs/v4). ICI: 6 links of
     # 50 GB/s per direction (Jouppi et al., "TPU v4: An Optically Reconfigurable Supercomputer
@@ -93,7 +112,9 @@ CHIPS = {
         ("ppermute", _H100_NVLINK), ("all_gather", _H100_NVLINK), ("reduce_scatter", _H100_NVLINK),
         ("all_to_all", _H100_ALL_TO_ALL)), ring_step_s=_H100_RING_STEP),
     # H200 SXM: same compute and NVLink as H100, 4.8 TB/s and 141 GB of HBM3e (NVIDIA H200 datasheet).
-    "h200": Chip("H200 SXM", "gpu", 989e12, 4800e9, 450e9, hbm_bytes=141e9),
+    "h200": Chip("H200 SXM", "gpu", 989e12, 4800e9, 450e9, hbm_bytes=141e9, collectives=(
+        ("ppermute", _H200_NVLINK), ("all_gather", _H200_NVLINK), ("reduce_scatter", _H200_NVLINK),
+        ("all_to_all", _H200_ALL_TO_ALL)), ring_step_s=_H200_RING_STEP),
 }
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2}
