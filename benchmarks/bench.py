@@ -319,6 +319,40 @@ def run_strategies(args, rec: Recorder):
         del inputs, ring_out
 
 
+def run_prefill(args, rec: Recorder):
+    """Prefill: a chunk of t new tokens per row after t cached ones (capacity 2t, cache over N devices), by
+    `cache_attention` with each strategy, on `--implementation` and on the XLA partials; outputs checked
+    against the XLA partials' pass_q."""
+    shape, n = args.shape, args.devices
+    mesh = make_mesh((n,), ("sp",))
+    for t in progress(args.chunks, "prefill"):
+        cache, _ = decode_cache(mesh, shape, shape.batch, 2 * t)
+        # the second half of the cache is the chunk: its rows end at 2t, its queries at t .. 2t - 1
+        q = jax.random.normal(jax.random.key(t), (shape.batch, t, shape.heads, shape.head_dim), shape.dtype)
+        pairs = t * t + t * (t + 1) / 2  # each query sees the t cached tokens and the chunk up to itself
+        flops = 4 * shape.batch * shape.heads * shape.head_dim * pairs
+        base = None
+        for impl in dict.fromkeys(("xla", args.implementation)):
+            for strategy in ("pass_q", "pass_kv"):
+                case = {**dataclasses.asdict(shape), "cached": t, "t": t, "devices": n, "implementation": impl,
+                        "strategy": strategy}
+                try:
+                    fn = jax.jit(lambda q, c, impl=impl, strategy=strategy: ringjax.cache_attention(
+                        q, c, implementation=impl, strategy=strategy))
+                    with ringjax_log() as log:
+                        out = jax.block_until_ready(fn(q, cache))
+                    seconds = timeit(fn, q, cache, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
+                                     back_to_back=args.back_to_back)
+                except Exception as e:  # noqa: BLE001 - e.g. out of memory
+                    rec.add(case, error=failure(e))
+                    continue
+                base = out if base is None else base
+                check = {} if out is base else {"rel_err_vs_xla": errors(out, base)["rel_err"]}
+                rec.add(case, **picked(log), ms=significant(seconds * 1e3),
+                        tflops_per_device=significant(flops / seconds / 1e12 / n), **check)
+        del cache
+
+
 def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict, dict | str]]:
     """(feature, shape, ring_attention keywords, cuDNN keywords or why cuDNN is left out) at length t."""
     heads = shape.heads
@@ -742,6 +776,14 @@ def table_decode(rows):
                            "GB/s per device", "of HBM copy", "rel err (t=1)"], body)
 
 
+def table_prefill(rows):
+    body = [[c["batch"], kilo(c["cached"]), kilo(c["t"]), c["implementation"], r.get("implementation"),
+             c["strategy"], c["devices"], r.get("ms"), r.get("tflops_per_device"), r.get("rel_err_vs_xla")]
+            for r in rows if "ms" in r for c in (r["case"],)]
+    return markdown_table(["batch", "cached", "t", "implementation=", "ran", "strategy", "devices", "ms",
+                           "TFLOP/s per device", "rel err vs xla"], body)
+
+
 def render(suite: str, rows: list[dict]) -> str:
     """The markdown of one suite's rows from one device kind: a title line, the table, skips and failures."""
     notes = footnotes(rows, SUITES[suite].label)
@@ -958,6 +1000,14 @@ SUITES = {
                 "peak_bytes_in_use of memory_stats() over the devices.",
         label="tokens",
         devices="all", defaults={"tokens": 1 << 20, "reps": 1, "warmup": 1}, tiny={"tokens": 2048}),
+    "prefill": Suite(
+        run_prefill, table_prefill, None,
+        help="prefill a chunk of t tokens after t cached ones: cache_attention pass_q / pass_kv on the kernels "
+             "and on the XLA partials, over all local devices",
+        caption="Causal; a row's chunk of t queries attends to the t cached tokens and to itself (t² + t(t+1)/2 "
+                "pairs). TFLOP/s: 4·B·H·D per visible pair over the median time, per device. ran: what "
+                "implementation=\"auto\" ran. rel err: the output against the XLA partials' pass_q.",
+        label="implementation", devices="all", defaults={"chunks": [16384, 32768]}, tiny={"chunks": [64]}),
     "decode": Suite(
         run_decode, table_decode, None,
         help="decode against a full KV cache: GB/s of K/V read, ringjax (cache over all local devices) vs "
@@ -1044,6 +1094,9 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--copy-bytes", type=int, help="bytes of the HBM copy measurement (default 4 GiB)")
             s.add_argument("--no-reduce", dest="reduce", action="store_false",
                            help="skip the xla-reduce rows (XlaCacheConfig(dots=False))")
+        if name == "prefill":
+            s.add_argument("--chunks", type=ints, help="chunk lengths t, after as many cached tokens (default "
+                                                       "16384,32768)")
         if name == "million":
             s.add_argument("--tokens", type=int, help="total tokens (default 1048576)")
             s.add_argument("--check-max-tokens", type=int, default=32768,

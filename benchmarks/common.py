@@ -200,7 +200,8 @@ def ringjax_log():
         logger.setLevel(level)
 
 
-_IMPLEMENTATION = re.compile(r"^ring_attention/([\w.-]+): ")  # "ring_attention/<name>: <source> config ..."
+# "ring_attention/<name>: <source> config ...", "cache_attention/<name>: <config>; strategy ..."
+_IMPLEMENTATION = re.compile(r"^(?:ring|cache)_attention/([\w.-]+): ")
 _STRATEGY = re.compile(r"strategy='auto' chose (\w+)")
 
 

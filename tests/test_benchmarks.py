@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
-SUITES = ("step", "ring", "strategies", "coverage", "precision", "million", "decode")
+SUITES = ("step", "ring", "strategies", "coverage", "precision", "million", "decode", "prefill")
 DEVICES = 4
 BF16_ERR = 2e-2  # bf16 outputs against a float32 or another bf16 computation of the same attention
 
@@ -146,8 +146,22 @@ def check_decode(rows):
             assert r["rel_err"] < BF16_ERR  # ringjax's output against jax.nn's on the same data
 
 
+def check_prefill(rows):
+    cases = [(r["case"]["t"], r["case"]["implementation"], r["case"]["strategy"]) for r in rows]
+    assert cases == [(64, impl, s) for impl in ("xla", "auto") for s in ("pass_q", "pass_kv")]
+    for r in rows:
+        c = r["case"]
+        assert c["cached"] == 64 and c["devices"] == DEVICES and r["ms"] > 0 and r["tflops_per_device"] > 0
+        pairs = 64 * 64 + 64 * 65 / 2
+        flops = 4 * c["batch"] * c["heads"] * c["head_dim"] * pairs
+        assert abs(r["tflops_per_device"] - flops / (r["ms"] / 1e3) / 1e12 / DEVICES) <= 1e-3 * r["tflops_per_device"]
+        assert r["implementation"] == "xla"  # what ran: on a CPU the XLA partials
+        if (c["implementation"], c["strategy"]) != ("xla", "pass_q"):
+            assert r["rel_err_vs_xla"] < BF16_ERR
+
+
 CHECKS = {"step": check_step, "ring": check_ring, "strategies": check_strategies, "coverage": check_coverage,
-          "precision": check_precision, "million": check_million, "decode": check_decode}
+          "precision": check_precision, "million": check_million, "decode": check_decode, "prefill": check_prefill}
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -94,10 +94,15 @@ def test_bfloat16_picks_the_mosaic_kernels_and_unknown_kinds_fall_back_to_priori
     assert unknown[0].name == "pallas_mosaic_gpu"  # the highest priority the feature table accepts
 
 
-def test_predictions_reproduce_the_h100_measurements():
-    kind, rows = calibrate.rows_from_results(sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl")))
+# the one-GPU results of each device kind that ships a calibration built from them
+_KINDS = [(H100, "nvidia-h100*.jsonl", "NVIDIA_H100_80GB_HBM3.json"), (H200, "nvidia-h200*.jsonl", "NVIDIA_H200.json")]
+
+
+@pytest.mark.parametrize("want, pattern, shipped", _KINDS)
+def test_predictions_reproduce_the_measurements(want, pattern, shipped):
+    kind, rows = calibrate.rows_from_results(sorted(glob.glob(f"benchmarks/results/{pattern}")))
     calibration = costs.load(kind)
-    assert kind == H100 and calibration.where == "ringjax/configs/calibration/NVIDIA_H100_80GB_HBM3.json"
+    assert kind == want and calibration.where == f"ringjax/configs/calibration/{shipped}"
     kept = {calibrate.row_key(r): r for r in calibrate.existing(kind, costs.path_for(kind, shipped=True))["kernels"]}
     errors = []
     for row in rows:
@@ -115,8 +120,10 @@ def test_predictions_reproduce_the_h100_measurements():
     assert np.median(errors) < 0.1
 
 
-def test_shipped_h100_calibration_is_rebuilt_from_the_results():
-    kind, rows = calibrate.rows_from_results(sorted(glob.glob("benchmarks/results/nvidia-h100*.jsonl")))
+@pytest.mark.parametrize("want, pattern, shipped", _KINDS)
+def test_shipped_calibration_is_rebuilt_from_the_results(want, pattern, shipped):
+    kind, rows = calibrate.rows_from_results(sorted(glob.glob(f"benchmarks/results/{pattern}")))
+    assert kind == want
     shipped = calibrate.existing(kind, costs.path_for(kind, shipped=True))
     assert calibrate.merge(shipped, rows) == shipped
 
