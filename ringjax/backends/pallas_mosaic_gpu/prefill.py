@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig
 from ringjax.core.masks import Extras, TokenInfo
 from ringjax.core.problem import Problem
 from ringjax.options import AttentionOptions
+
+_FAR = 1 << 30  # how far before position 0 the tiles of padding alone sit
 
 
 def kernel_options(opts: AttentionOptions) -> AttentionOptions:
@@ -69,7 +72,12 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: Extra
     unit = 2 * ROWS * n
     padded = -(-t // unit) * unit
     q = _regroup(jnp.pad(q, ((0, 0), (0, padded - t), (0, 0), (0, 0))), n, 1)
-    offsets = _regroup(jnp.arange(padded, dtype=jnp.int32), n, 0)
+    order = np.arange(padded).reshape(padded // n, n).T.reshape(-1)  # each regrouped row's query index
+    padding = order >= t
+    # 64-row tiles of padding alone sit far before position 0 (and in no segment): they see no key, so the
+    # kernel's visit table skips them
+    idle = np.repeat(padding.reshape(-1, ROWS).all(axis=1), ROWS)
+    offsets = jnp.asarray(np.where(idle, order - _FAR, order), jnp.int32)
     kernel_opts = kernel_options(opts)
     k_pos = k_pos.astype(jnp.int32)
     extras = extras or Extras()
@@ -78,7 +86,7 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: Extra
         q_row, k_row, v_row, first, length = args
         q_seg = k_seg = None
         if kernel_opts.has_segments:
-            q_seg = jnp.zeros((1, padded), jnp.int32)
+            q_seg = jnp.asarray(np.where(padding, -1, 0), jnp.int32)[None]
             k_seg = jnp.where(k_pos < length, 0, -1)[None]
         out, lse = block_fwd(q_row[None], k_row[None], v_row[None], TokenInfo(first + offsets, q_seg),
                              TokenInfo(k_pos, k_seg), extras, kernel_opts, config)
