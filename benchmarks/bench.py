@@ -244,7 +244,7 @@ def run_ring(args, rec: Recorder):
             inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
             ring, ring_out = timed(sharded_ring(mesh, args.implementation), inputs, flops, args, devices=n)
             fused, fused_out = {}, None
-            if args.fused:  # the forward ring as one Mosaic GPU kernel that moves K/V itself
+            if args.fused:  # Mosaic GPU kernels that move K/V (and dK/dV) themselves
                 from ringjax.backends.pallas_mosaic_gpu import MosaicGpuConfig
 
                 fused, fused_out = timed(sharded_ring(mesh, "pallas_mosaic_gpu", config=MosaicGpuConfig(fused=True)),
@@ -848,9 +848,9 @@ def plot_ring(rows, path, heading):
     x = [r["case"]["tokens_per_device"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, mode in zip(axes, ("fwd", "fwd_bwd")):
-        for key, label in (("ring", "ring, per device"), ("one_device", "ringjax, one device"),
-                           ("cudnn", "cuDNN, one device")):
-            ys = [tflops(r[key], mode) for r in rows]
+        for key, label in (("ring", "ring, per device"), ("fused", "fused ring (fused=True), per device"),
+                           ("one_device", "ringjax, one device"), ("cudnn", "cuDNN, one device")):
+            ys = [tflops(r[key], mode) if r.get(key) else None for r in rows]
             if any(ys):
                 ax.plot(x, ys, marker="o", label=label)
         ax.set_xscale("log", base=2)
@@ -1066,8 +1066,8 @@ def parser() -> argparse.ArgumentParser:
                            help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
         if name == "ring":
             s.add_argument("--fused", action="store_true",
-                           help="also the fused forward ring (Mosaic GPU, MosaicGpuConfig(fused=True)): one kernel "
-                                "per pass that copies K/V between GPUs itself")
+                           help="also the fused ring (Mosaic GPU, MosaicGpuConfig(fused=True)): the forward and the "
+                                "backward's dK/dV as one kernel each that copies K/V (and dK/dV) between GPUs itself")
         if name == "strategies":
             s.add_argument("--layout", default="zigzag", choices=("contiguous", "zigzag", "striped"))
             s.add_argument("--no-mha", dest="mha", action="store_false", default=None,

@@ -7,7 +7,9 @@ Start one copy per process with the same --coordinator (process 0's address):
     python examples/multihost.py --process-id 1 --num-processes 2 --coordinator 127.0.0.1:12355 --cpu-devices 4
 
 On a GPU cluster, run one copy per host (or let `jax.distributed.initialize()`
-detect SLURM / Open MPI / Kubernetes settings: pass no --coordinator).
+detect SLURM / Open MPI / Kubernetes settings: pass no --coordinator). One copy per GPU
+of one host works too (`CUDA_VISIBLE_DEVICES` set per copy); `--fused` then runs the Mosaic
+GPU fused ring, whose kernels copy K/V (and dK/dV) between the processes' GPUs themselves.
 
 Every process builds the same global inputs from --seed and feeds only its own
 devices' shards (`jax.make_array_from_callback`); the sequence is sharded over all
@@ -44,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--layout", default="zigzag", choices=["zigzag", "contiguous", "striped"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--implementation", default="auto", help="ringjax implementation (default auto)")
+    p.add_argument("--fused", action="store_true",
+                   help="the Mosaic GPU fused ring (implementation pallas_mosaic_gpu, MosaicGpuConfig(fused=True))")
     p.add_argument("--out", default=None, help="process 0 saves inputs, outputs and gradients here (.npz)")
     return p.parse_args(argv)
 
@@ -89,15 +95,21 @@ def main(argv=None):
         return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
     seq = P(None, "sp")
-    q, k, v, dout = (global_array(x[name], seq, 1) for name in ("q", "k", "v", "dout"))
+    q, k, v, dout = (global_array(x[name].astype(args.dtype), seq, 1) for name in ("q", "k", "v", "dout"))
+    options = dict(implementation=args.implementation)
+    if args.fused:
+        from ringjax.backends.pallas_mosaic_gpu import MosaicGpuConfig
+
+        options = dict(implementation="pallas_mosaic_gpu", config=MosaicGpuConfig(fused=True))
     seg = global_array(x["segment_ids"], seq, 1)
     dlse = global_array(x["dlse"], P(None, None, "sp"), 2)
     sinks = global_array(x["sinks"], P())
 
     def loss(q, k, v, sinks, seg, dout, dlse):  # global arrays must be arguments, not closed over
         out, lse = ringjax.ring_attention(q, k, v, axis_name="sp", causal=True, layout=args.layout,
-                                          segment_ids=seg, sinks=sinks, return_lse=True)
-        value = (out * dout).sum() + jnp.where(jnp.isfinite(lse), lse * dlse, 0.0).sum()
+                                          segment_ids=seg, sinks=sinks, return_lse=True, **options)
+        value = (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+        value = value + jnp.where(jnp.isfinite(lse), lse * dlse, 0.0).sum()
         return value, (out, lse)
 
     with jax.set_mesh(mesh):
@@ -110,6 +122,7 @@ def main(argv=None):
 
     result = {"out": gather(out, 1), "lse": gather(lse, 2), "dq": gather(dq, 1), "dk": gather(dk, 1),
               "dv": gather(dv, 1), "dsinks": gather(dsinks, None)}
+    result = {name: val.astype(np.float32) for name, val in result.items()}  # bf16 does not survive .npz
     print(f"process {jax.process_index()}/{jax.process_count()}: {jax.local_device_count()} local of {n} devices, "
           f"loss {float(value):.6f}", flush=True)
     if args.out is not None and jax.process_index() == 0:

@@ -36,9 +36,11 @@ class MosaicGpuConfig(KernelConfig):
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
     with the op's `deterministic=True`. `fused`: the forward ring as one kernel per call that copies the
     other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it
-    computes on its own, instead of a kernel per ring step with ppermutes between them: K/V of every
-    source are resident at once (O(sequence) per device, not O(sequence / devices)); the ring axis must
-    span every device. `interpret=True` runs the same
+    computes on its own, instead of a kernel per ring step with ppermutes between them; the backward's
+    dK/dV likewise one kernel that also stores the other sources' float32 partials into their owners' slots
+    (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
+    source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not
+    O(sequence / devices)); the ring axis must span every device. `interpret=True` runs the same
     kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
     eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
     cores).

@@ -43,10 +43,19 @@ def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, signal: bool = True)
                           config, signal=signal)
 
 
+def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, signal: bool = True):
+    from ringjax.backends.pallas_mosaic_gpu.kernels import fused_ring_bwd
+
+    step_opts, q_info, k_infos, local = ring_sources(opts, q, q_seg, kv_seg)
+    return fused_ring_bwd(q, k, v, dout, lse, delta, q_info, k_infos, opts.axis_name, opts.axis_size, local, extras,
+                          step_opts, config, signal=signal)
+
+
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
-# `MosaicGpuConfig(fused=True)`: the forward ring as one kernel that copies K/V between devices itself;
-# the backward stays the ring of step kernels
-FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused", ring_fwd=_ring_fwd)
+# `MosaicGpuConfig(fused=True)`: the forward ring, and the backward's dK/dV, as one kernel each that copies K/V
+# (and the dK/dV partials) between devices itself. Above head_dim 128 the backward is the ring of step kernels
+FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused", ring_fwd=_ring_fwd, ring_bwd=_ring_bwd)
+FUSED_FWD_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused_fwd", ring_fwd=_ring_fwd)
 
 
 @functools.cache
@@ -196,11 +205,15 @@ class PallasMosaicGpuImplementation:
         why = _refusal(problem, config)
         if why is not None:  # an explicit config= can ask for more than supports() checked
             raise ValueError(f"pallas_mosaic_gpu cannot run this call: {why}")
-        kernel = FUSED_KERNEL if config.fused else KERNEL
+        kernel = KERNEL
+        if config.fused:
+            from ringjax.backends.pallas_mosaic_gpu.kernels import supports_fused_bwd
+
+            kernel = FUSED_KERNEL if supports_fused_bwd(*problem.head_dims) else FUSED_FWD_KERNEL
         return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
 IMPLEMENTATION = PallasMosaicGpuImplementation()
 
 
-__all__ = ["FUSED_KERNEL", "IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]
+__all__ = ["FUSED_FWD_KERNEL", "FUSED_KERNEL", "IMPLEMENTATION", "KERNEL", "MosaicGpuConfig"]

@@ -533,10 +533,16 @@ class _Ring:
     copy_rows: int
     copy_ctas: int  # copy_rows times the batch
     signal: bool = True  # False: a broken handshake, for the test that shows one is caught
+    row_axis: str = "q"  # the grid axis whose first `copy_rows` rows are the copy CTAs
 
     def slot(self, j):
         """Receive slot of sub-step j (a traced or a Python int; not the local one)."""
         return j - (j > self.local)
+
+    def source(self, j):
+        """Device whose K/V this device visits at sub-step j (the owner of their dK/dV)."""
+        n = jnp.int32(self.axis_size)
+        return lax.rem(lax.axis_index(self.axis_name) + self.local - j + n, n)
 
     def sends(self):
         """(sub-step, slot) of each destination: device me - local + j takes this device's K/V at sub-step j."""
@@ -551,7 +557,7 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
     b, s, kvh, _ = k_ref.shape
     stages, bk = smem[0].shape[:2]
     nb = s // bk
-    cid = lax.axis_index("q") * b + lax.axis_index("b")
+    cid = lax.axis_index(ring.row_axis) * b + lax.axis_index("b")
     me = lax.axis_index(ring.axis_name)
     n = jnp.int32(ring.axis_size)
     dsts = [(lax.rem(me - ring.local + j + n, n), slot) for j, slot in ring.sends()]
@@ -886,15 +892,20 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     grid_h = h // 2 if walk.pair_heads else h
     rows, static = walk.n_ctas, {}
     if ring is not None:
-        axis_name, axis_size, local, signal = ring
-        copy_rows = -(-_COPY_CTAS // b)
-        static["ring"] = _Ring(axis_name, axis_size, len(k_infos), local, copy_rows, copy_rows * b, signal)
-        rows += copy_rows
+        static["ring"] = _make_ring(ring, len(k_infos), b, "q")
+        rows += static["ring"].copy_rows
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
     outs = _launch(_fwd_kernel, args, out_type, scratch, grid=(grid_h, rows, b), rows="q", walk=walk, groups=g,
                    has_seg=has_seg, opts=opts, config=config, **static)
     return outs[0], outs[1]
+
+
+def _make_ring(ring, steps: int, batch: int, row_axis: str) -> _Ring:
+    """The `_Ring` of a fused kernel: `ring` is (axis_name, axis_size, local, signal)."""
+    axis_name, axis_size, local, signal = ring
+    copy_rows = -(-_COPY_CTAS // batch)
+    return _Ring(axis_name, axis_size, steps, local, copy_rows, copy_rows * batch, signal, row_axis)
 
 
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
@@ -1013,13 +1024,17 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                    (k_bar, v_bar), (k_free, v_free), split=walk.split)
 
 
-def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False):
+def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
+                ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
     mod_refs = _mod_refs(opts, r)
     dq_ref = r.take(1, with_dq)  # zeros in; the fused backward adds every (key tile, query block)'s dQ into it
-    dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(9)
+    dk_ref, dv_ref = r.take(2)
+    # fused ring: the K/V received from each other source, and the dK/dV partials of ours other devices computed
+    k_recv, v_recv, dk_recv, dv_recv = r.take(4, ring is not None)
+    k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(7)
     kseg_smem, qseg_smem = r.take(2, has_seg)
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
@@ -1027,165 +1042,231 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     b = lax.axis_index("b")
-    kvh, cta = lax.axis_index("h"), lax.axis_index("k")
-    row = b if has_seg else 0
-    tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]  # split: one tile
-    bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
-    span = _Span.union(*bounds)
     wg = lax.axis_index("wg")
+    kvh, cta = lax.axis_index("h"), lax.axis_index("k")
+    if ring is not None:
+        # grid axis "h" walks (sub-step in ring order from this device's own, KV head): CUDA dispatches every
+        # CTA on local K/V before any that waits for a copy
+        kv_heads = k_ref.shape[2]
+        j = lax.rem(ring.local + lax.div(kvh, jnp.int32(kv_heads)), jnp.int32(ring.steps))
+        kvh, cta = lax.rem(kvh, jnp.int32(kv_heads)), cta - ring.copy_rows
+        rng_ref, kstart_ref = rng_ref.at[j], kstart_ref.at[j]
+        kseg_ref = None if kseg_ref is None else kseg_ref.at[j]
 
-    @pl.when(wg < 2)
-    def _consumer():
-        plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
-        tile = jnp.where(wg == 0, tiles[0], tiles[1])
-        my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
-        other = [jnp.where(wg == 0, c, a) for a, c in zip(bounds[0], bounds[1])]
-        k0 = tile * ROWS
-        kpos0 = kstart_ref[tile]
-        rows = (b, pl.ds(k0, ROWS), kvh)
-        # split: consumer wg loads half wg of the shared K and V tiles, and waits for both halves
-        mine, mine_v = (_half(rows, walk, wg, width) for width in (d, v_ref.shape[-1]))
-        plgpu.copy_gmem_to_smem(k_ref.at[mine], k_smem.at[wg], kv_bar.at[wg])
-        plgpu.copy_gmem_to_smem(v_ref.at[mine_v], v_smem.at[wg], kv_bar.at[2 + wg])
-        kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
-        # split: both halves of the shared tiles; fused: both consumers' K tiles (dQ reads them all)
-        for i in range(4) if walk.split else ((0, 1, 2 + wg) if with_dq else (wg, 2 + wg)):
-            plgpu.barrier_wait(kv_bar.at[i])
+    def tiles(kv_src, store):
+        """Key tiles of CTA `cta`, KV head `kvh`: K/V tiles read from the refs `kv_src()` gives; `store(write)`
+        calls `write(dk_ref, dv_ref)` with where each consumer's dK/dV go."""
+        row = b if has_seg else 0
+        tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]  # split: one tile
+        bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
+        span = _Span.union(*bounds)
 
-        def head(gi, carry):
-            mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
+        @pl.when(wg < 2)
+        def _consumer():
+            plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
+            tile = jnp.where(wg == 0, tiles[0], tiles[1])
+            my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
+            other = [jnp.where(wg == 0, c, a) for a, c in zip(bounds[0], bounds[1])]
+            k0 = tile * ROWS
+            kpos0 = kstart_ref[tile]
+            rows = (b, pl.ds(k0, ROWS), kvh)
+            # split: consumer wg loads half wg of the shared K and V tiles, and waits for both halves
+            mine, mine_v = (_half(rows, walk, wg, width) for width in (d, v_ref.shape[-1]))
+            k_in, v_in = kv_src()
+            plgpu.copy_gmem_to_smem(k_in.at[mine], k_smem.at[wg], kv_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_in.at[mine_v], v_smem.at[wg], kv_bar.at[2 + wg])
+            kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
+            # split: both halves of the shared tiles; fused: both consumers' K tiles (dQ reads them all)
+            for i in range(4) if walk.split else ((0, 1, 2 + wg) if with_dq else (wg, 2 + wg)):
+                plgpu.barrier_wait(kv_bar.at[i])
 
-            def step(i, blk, carry, kind):
-                dk, dv, *calls = carry  # fused: the count of block_dq calls so far, whose parity picks a buffer
-                slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
-                plgpu.barrier_wait(q_bar.at[slot])
-                plgpu.barrier_wait(lse_bar.at[slot])
-                plgpu.barrier_wait(do_bar.at[slot])
-                plgpu.barrier_wait(delta_bar.at[slot])
-                if kind == "skip":
+            def head(gi, carry):
+                mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
+
+                def step(i, blk, carry, kind):
+                    dk, dv, *calls = carry  # fused: the count of block_dq calls so far, whose parity picks a buffer
+                    slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
+                    plgpu.barrier_wait(q_bar.at[slot])
+                    plgpu.barrier_wait(lse_bar.at[slot])
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    plgpu.barrier_wait(delta_bar.at[slot])
+                    if kind == "skip":
+                        plgpu.barrier_arrive(free.at[slot])
+                        # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
+                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
+                        if with_dq and d != _DQ_COLS:
+                            seen = (blk >= other[2]) & (blk < other[5])
+
+                            @pl.when(seen)
+                            def _():
+                                ds_smem.at[calls[0] % 2, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
+                                plgpu.commit_smem()
+                                block_dq(calls[0], gi, blk)
+
+                            return dk, dv, calls[0] + seen.astype(jnp.int32)
+                        return carry
+
+                    if walk.split:  # the scores sum the two halves of the head_dim
+                        halves = [(k_smem.at[j], q_smem.at[slot].at[j], True) for j in _parts(wg)]
+                        (st,) = _mma([_zeros((ROWS, bq))], [halves], emulate)
+                    else:
+                        st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
+                    pos = None
+                    if _needs_positions(opts, kind):
+                        pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
+                    st2, t = _scores2(st, opts, mods.distance(pos), mods)
+                    lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                    if kind == "masked":
+                        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
+                        pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
+                    keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
+                    kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
+                    pt16 = kept.astype(q_ref.dtype)
+
+                    if walk.split:
+                        terms = [(pt16, do_smem.at[slot].at[wg], False),
+                                 [(v_smem.at[j], do_smem.at[slot].at[j], True) for j in _parts(wg)]]
+                    else:
+                        terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
+                    dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
+                    if keep is not None:
+                        dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
+                    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                    if t is not None:
+                        dst = dst * cap_slope(t)
+                    dst16 = dst.astype(q_ref.dtype)
+
+                    if not with_dq:
+                        (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)],
+                                     emulate)
+                        plgpu.barrier_arrive(free.at[slot])
+                        return dk, dv
+                    # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ
+                    ds_smem.at[calls[0] % 2, wg][...] = dst16
+                    plgpu.commit_smem()
+                    dk = block_dq(calls[0], gi, blk, dk, (dst16, q_smem.at[slot], False))
                     plgpu.barrier_arrive(free.at[slot])
-                    # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
-                    # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
-                    if with_dq and d != _DQ_COLS:
-                        seen = (blk >= other[2]) & (blk < other[5])
+                    return dk, dv, calls[0] + 1
 
-                        @pl.when(seen)
-                        def _():
-                            ds_smem.at[calls[0] % 2, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
-                            plgpu.commit_smem()
-                            block_dq(calls[0], gi, blk)
+                def block_dq(n, gi, blk, dk=None, dk_term=None):
+                    """Add dQ of query block `blk` over the CTA's 128 keys into global memory (and dK's term, issued
+                    with it): consumer wg takes half wg of the columns over both consumers' dS^T, once both are
+                    stored (head_dim 128), or its own 64 keys' share of all 64 columns (head_dim 64: a half would
+                    be narrower than a swizzled row)."""
+                    buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
+                    if d == _DQ_COLS:
+                        tiles, cols = [wg], pl.ds(0, d)
+                    else:
+                        plgpu.barrier_arrive(ds_bar.at[buf])
+                        plgpu.barrier_wait(ds_bar.at[buf])
+                        tiles, cols = _parts(wg), pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
+                    terms = [[(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]]
+                    accs = [_zeros((bq, _DQ_COLS))]
+                    if dk_term is not None:
+                        accs, terms = [dk, *accs], [dk_term, *terms]
+                    *dk, dq = _mma(accs, terms, emulate)
+                    rows = pl.ds(blk * bq, bq)
+                    h = kvh * groups + gi
+                    dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                    _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
+                    return dk[0] if dk else None
 
-                        return dk, dv, calls[0] + seen.astype(jnp.int32)
-                    return carry
+                return _walk_tile(span, my, step, carry, walk)
 
-                if walk.split:  # the scores sum the two halves of the head_dim
-                    halves = [(k_smem.at[j], q_smem.at[slot].at[j], True) for j in _parts(wg)]
-                    (st,) = _mma([_zeros((ROWS, bq))], [halves], emulate)
-                else:
-                    st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
-                pos = None
-                if _needs_positions(opts, kind):
-                    pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
-                st2, t = _scores2(st, opts, mods.distance(pos), mods)
-                lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
-                if kind == "masked":
-                    qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
-                    pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
-                keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
-                kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
-                pt16 = kept.astype(q_ref.dtype)
+            cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
+            init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
+            dk, dv, *_ = lax.fori_loop(0, groups, head, init)
+            dk = dk * opts.softmax_scale
 
-                if walk.split:
-                    terms = [(pt16, do_smem.at[slot].at[wg], False),
-                             [(v_smem.at[j], do_smem.at[slot].at[j], True) for j in _parts(wg)]]
-                else:
-                    terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
-                dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
-                if keep is not None:
-                    dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
-                delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                if t is not None:
-                    dst = dst * cap_slope(t)
-                dst16 = dst.astype(q_ref.dtype)
+            def write(dk_out, dv_out):
+                chunks = _write_rows(dk, o_smem, wg, dk_out.at[mine])
+                _write_rows(dv, o_smem, wg, dv_out.at[mine_v], first=chunks)
+                plgpu.wait_smem_to_gmem(0)
 
-                if not with_dq:
-                    (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)],
-                                 emulate)
-                    plgpu.barrier_arrive(free.at[slot])
-                    return dk, dv
-                # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ
-                ds_smem.at[calls[0] % 2, wg][...] = dst16
-                plgpu.commit_smem()
-                dk = block_dq(calls[0], gi, blk, dk, (dst16, q_smem.at[slot], False))
-                plgpu.barrier_arrive(free.at[slot])
-                return dk, dv, calls[0] + 1
+            store(write)
 
-            def block_dq(n, gi, blk, dk=None, dk_term=None):
-                """Add dQ of query block `blk` over the CTA's 128 keys into global memory (and dK's term, issued
-                with it): consumer wg takes half wg of the columns over both consumers' dS^T, once both are
-                stored (head_dim 128), or its own 64 keys' share of all 64 columns (head_dim 64: a half would
-                be narrower than a swizzled row)."""
-                buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
-                if d == _DQ_COLS:
-                    tiles, cols = [wg], pl.ds(0, d)
-                else:
-                    plgpu.barrier_arrive(ds_bar.at[buf])
-                    plgpu.barrier_wait(ds_bar.at[buf])
-                    tiles, cols = _parts(wg), pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
-                terms = [[(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]]
-                accs = [_zeros((bq, _DQ_COLS))]
-                if dk_term is not None:
-                    accs, terms = [dk, *accs], [dk_term, *terms]
-                *dk, dq = _mma(accs, terms, emulate)
-                rows = pl.ds(blk * bq, bq)
+        @pl.when(wg == 2)
+        def _producer():
+            plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
+
+            @pl.loop(0, groups * span.steps)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                gi = lax.div(i, jnp.maximum(span.steps, 1))
                 h = kvh * groups + gi
-                dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-                return dk[0] if dk else None
+                blk = span.block(i - gi * span.steps)
+                rows = (b, pl.ds(blk * bq, bq), h)
+                cols = (b, h, pl.ds(blk * bq, bq))
 
-            return _walk_tile(span, my, step, carry, walk)
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
 
-        cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
-        init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
-        dk, dv, *_ = lax.fori_loop(0, groups, head, init)
-        dk = dk * opts.softmax_scale
-        chunks = _write_rows(dk, o_smem, wg, dk_ref.at[mine])
-        _write_rows(dv, o_smem, wg, dv_ref.at[mine_v], first=chunks)
-        plgpu.wait_smem_to_gmem(0)
+                _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
+                plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
+                _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
+                plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
 
-    @pl.when(wg == 2)
-    def _producer():
-        plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
+            _drain(groups * span.steps, stages, free)
 
-        @pl.loop(0, groups * span.steps)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(stages))
-            gi = lax.div(i, jnp.maximum(span.steps, 1))
-            h = kvh * groups + gi
-            blk = span.block(i - gi * span.steps)
-            rows = (b, pl.ds(blk * bq, bq), h)
-            cols = (b, h, pl.ds(blk * bq, bq))
+    def own(write):
+        write(dk_ref, dv_ref)
 
-            @pl.when(i >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
+    if ring is None:
+        tiles(lambda: (k_ref, v_ref), own)
+        return
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # a source's K/V landed here
+    dsem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # partials of our K/V landed here
+    copy_row = lax.axis_index("k") < ring.copy_rows
 
-            _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
-            plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
-            _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
-            plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
+    @pl.when(jnp.logical_not(copy_row) & (j == ring.local))
+    def _():
+        tiles(lambda: (k_ref, v_ref), own)
 
-        _drain(groups * span.steps, stages, free)
+    @pl.when(jnp.logical_not(copy_row) & (j != ring.local))
+    def _():
+        def kv_src():  # each consumer waits for every copy of the source's K/V before loading its tile
+            slot = ring.slot(j)
+            pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
+            return k_recv.at[slot], v_recv.at[slot]
+
+        def to_owner(write):
+            """The partials go to the owner's receive slot of this sub-step by remote TMA, announced once
+            landed. A branch per sub-step: Mosaic GPU computes a peer's id on the host, from the device alone."""
+            for step, slot in ring.sends():
+
+                @pl.when(j == step)
+                def _():
+                    owner = {ring.axis_name: ring.source(step)}
+                    write(plgpu.remote_ref(dk_recv, owner).at[slot], plgpu.remote_ref(dv_recv, owner).at[slot])
+                    if ring.signal:
+                        pl.semaphore_signal(dsem.at[slot], device_id=owner)
+
+        tiles(kv_src, to_owner)
+
+    @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
+    def _():
+        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (q_smem, do_smem), (q_bar, do_bar), sem)
+
+        # this device's kernel ends only once every partial of its K/V has landed: XLA sums them next
+        @pl.when((lax.axis_index("k") == 0) & (b == 0))
+        def _():
+            signals = 2 * k_ref.shape[2] * walk.n_ctas * k_ref.shape[0]  # per slot: each consumer of each CTA
+            for slot in range(ring.steps - 1):
+                pl.semaphore_wait(dsem.at[slot], signals, decrement=False)
+
+
+def _bwd_stats(lse, delta):
+    """Base-2 lse (rows that see no key get 0: every P of theirs is masked to 0 anyway) and float32 delta."""
+    return jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32), delta.astype(jnp.float32)
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
               opts: AttentionOptions, config: MosaicGpuConfig):
     """(dq, dk, dv, d alibi_slopes or None) of one step, float32."""
-    # base-2 lse; rows that see no key get 0: every P of theirs is masked to 0 anyway
-    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, 0.0).astype(jnp.float32)
-    delta = delta.astype(jnp.float32)
+    lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
         dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
@@ -1195,6 +1276,36 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         dq, q = lax.optimization_barrier((dq, q))
     dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
     return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
+
+
+def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,
+                   axis_size: int, local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig,
+                   signal: bool = True):
+    """The backward of `fused_ring_fwd`: one dK/dV kernel over every source, which copies this device's K/V to
+    the others while it computes on its own, and stores the dK/dV partials of each other source into its
+    owner's receive slots (remote TMA, semaphores); then a dQ kernel per source on the K/V it received.
+    Returns (dq, dk, dv, d alibi_slopes or None), float32. Head_dims up to 128 (`supports_fused_bwd`)."""
+    lse2, delta = _bwd_stats(lse, delta)
+    mods = _mod_args(opts, extras, q.shape[2])
+    ring = (axis_name, axis_size, local, signal)
+    dk, dv, k_recv, v_recv, dk_in, dv_in = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_infos, mods, opts,
+                                                       config, ring=ring)
+    dq = dslope = None
+    for j, k_info in enumerate(k_infos):
+        slot = j - (j > local)
+        kj, vj = (k, v) if j == local else (k_recv[slot], v_recv[slot])
+        dq_j, dslope_j = _launch_dq(q, kj, vj, dout, lse2, delta, q_info, k_info, mods, opts, config)
+        dq = dq_j if dq is None else dq + dq_j
+        dslope = dslope_j if dslope is None else dslope + dslope_j
+    # the owners sum in slot order: the same bits run to run
+    dk, dv = dk + dk_in.sum(axis=0), dv + dv_in.sum(axis=0)
+    return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
+
+
+def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
+    """Whether `fused_ring_bwd` can run: its copy CTAs stage K/V through the dK/dV kernel's whole-width query
+    slots, which head_dims above 128 split in halves."""
+    return not split_head_dim(head_dim, v_head_dim)
 
 
 def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
@@ -1241,18 +1352,26 @@ def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: in
             and v_head_dim <= 128 and config.dkv_block_q == ROWS and fits)
 
 
-def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False):
+def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False,
+                ring=None):
     """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream.
-    `with_dq`: also dQ (fused backward), returned first."""
+    `with_dq`: also dQ (fused backward), returned first. `ring` (axis_name, axis_size, local, signal), with
+    `k_info` a list of every source's (`fused_ring_bwd`): also the K/V received and the partials for ours."""
     b, t, h, d = q.shape
     s, kvh, has_seg, dt, dv = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     g = h // kvh
     split = split_head_dim(d, dv)
     bq = _fit(t, config.dkv_block_q, opts)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
-    rng, _ = _visit_table(opts, k_info, q_info, ROWS, bq, transpose=True)
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), block_starts(k_info, ROWS),
-                   *_segment_args(q_info, k_info), *mods])
+    k_infos = k_info if ring is not None else [k_info]
+
+    def per_source(xs):
+        return xs[0] if ring is None else jnp.stack(xs)
+
+    rng = per_source([_visit_table(opts, x, q_info, ROWS, bq, transpose=True)[0] for x in k_infos])
+    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq),
+                   per_source([block_starts(x, ROWS) for x in k_infos]), *segs, *mods])
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split),  # K, V
                _stream_smem(walk.stages, bq, d, dt, split), _stream_smem(walk.stages, bq, dv, dt, split),  # q, dO
@@ -1266,6 +1385,14 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
     kv_structs = [_compat.struct_like(x.shape, jnp.float32, args[0]) for x in (k, v)]
+    if ring is not None:
+        ring = _make_ring(ring, len(k_infos), b, "k")
+        # receive slots, one per source but this device's own: their K/V, then the partials for ours
+        recv = [_compat.struct_like((ring.steps - 1, *x.shape), dtype, args[0])
+                for dtype in (k.dtype, jnp.float32) for x in (k, v)]
+        return _launch(_dkv_kernel, args, kv_structs + recv, scratch,
+                       grid=(kvh * ring.steps, ring.copy_rows + walk.n_ctas, b), rows="k", walk=walk, groups=g,
+                       has_seg=has_seg, opts=opts, config=config, ring=ring)
     if not with_dq:
         return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
