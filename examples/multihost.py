@@ -8,8 +8,9 @@ Start one copy per process with the same --coordinator (process 0's address):
 
 On a GPU cluster, run one copy per host (or let `jax.distributed.initialize()`
 detect SLURM / Open MPI / Kubernetes settings: pass no --coordinator). One copy per GPU
-of one host works too (`CUDA_VISIBLE_DEVICES` set per copy); `--fused` then runs the Mosaic
-GPU fused ring, whose kernels copy K/V (and dK/dV) between the processes' GPUs themselves.
+of one host works too (`--local-device-ids 0`, `1`, ...: each process sees every GPU and
+uses its own). The Mosaic GPU fused ring (`--fused`) needs one process for all GPUs and is
+refused with a reason otherwise.
 
 Every process builds the same global inputs from --seed and feeds only its own
 devices' shards (`jax.make_array_from_callback`); the sequence is sharded over all
@@ -39,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--cpu-devices", type=int, default=None, help="simulated CPU devices in this process")
     p.add_argument("--timeout", type=int, default=120, help="seconds to wait for the other processes")
+    p.add_argument("--local-device-ids", default=None,
+                   help="comma-separated local GPU ids this process uses (one process per GPU: its index)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128, help="global sequence length")
     p.add_argument("--heads", type=int, default=4)
@@ -81,6 +84,8 @@ def main(argv=None):
     if args.coordinator is not None and args.process_id == 0:
         # listen on the coordinator's own address, not on every interface
         kw["coordinator_bind_address"] = args.coordinator
+    if args.local_device_ids is not None:
+        kw["local_device_ids"] = [int(i) for i in args.local_device_ids.split(",")]
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                initialization_timeout=args.timeout, **kw)
     n = jax.device_count()

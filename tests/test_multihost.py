@@ -31,16 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two(out, env, extra, per_process_env=lambda i: {}):
-    """examples/multihost.py as processes 0 and 1 over localhost; returns their logs (each asserted to exit 0)."""
+def _run_two(out, env, extra, extra_per_process=lambda i: [], expect_ok: bool = True):
+    """examples/multihost.py as processes 0 and 1 over localhost; returns their logs (each asserted to exit 0,
+    or with `expect_ok=False` to fail)."""
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     port = _free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "examples" / "multihost.py"), "--coordinator", f"127.0.0.1:{port}",
              "--num-processes", "2", "--process-id", str(i), "--timeout", str(TIMEOUT_S // 2), "--out", str(out),
-             *extra],
-            env={**env, **per_process_env(i)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             *extra, *extra_per_process(i)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]
     logs = []
@@ -54,7 +55,7 @@ def _run_two(out, env, extra, per_process_env=lambda i: {}):
                 p.kill()
                 p.wait()
     for i, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{log[-4000:]}"
+        assert (p.returncode == 0) == expect_ok, f"process {i} exited with {p.returncode}:\n{log[-4000:]}"
     return logs
 
 
@@ -82,17 +83,23 @@ def test_two_processes_four_devices_each(tmp_path):
 
 
 @pytest.mark.skipif(not ON_HOPPER or len(jax.devices()) < 2, reason="needs 2 Hopper GPUs (one per process)")
-def test_two_processes_one_gpu_each_fused_ring(tmp_path):
-    """The Mosaic GPU fused ring with one process per GPU (jax.distributed, CUDA_VISIBLE_DEVICES per process):
-    its kernels copy K/V and the dK/dV partials between the processes' GPUs. Outputs, lse and gradients
-    (packed documents, learnable sinks, bf16) against the float64 reference."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_two_processes_one_gpu_each(tmp_path, fused):
+    """One process per GPU (jax.distributed, `local_device_ids` per process), the Mosaic GPU kernels: the ring of
+    step kernels matches the float64 reference (outputs, lse, gradients; packed documents, learnable sinks,
+    bf16); the fused ring, which failed in NCCL this way, is refused with its reason before any device work."""
     out = tmp_path / "multihost.npz"
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    logs = _run_two(out, env, ["--fused", "--dtype", "bfloat16", "--seq-len", "2048", "--heads", "4",
-                               "--kv-heads", "2", "--head-dim", "128", "--batch", "1"],
-                    # this process holds its GPU memory already: the children allocate theirs on demand
-                    per_process_env=lambda i: {"CUDA_VISIBLE_DEVICES": str(i),
-                                               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    env = dict(os.environ)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # each child allocates on demand: this process holds its GPU memory already
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    args = ["--implementation", "pallas_mosaic_gpu", "--dtype", "bfloat16", "--seq-len", "2048", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "128", "--batch", "1"] + (["--fused"] if fused else [])
+    logs = _run_two(out, env, args, extra_per_process=lambda i: ["--local-device-ids", str(i)], expect_ok=not fused)
+    if fused:
+        for log in logs:
+            assert "fused=True runs with one process for all GPUs" in log, log[-3000:]
+        return
     for i, log in enumerate(logs):
         assert f"process {i}/2: 1 local of 2 devices" in log
     _check(out, 2, "bfloat16")

@@ -155,14 +155,16 @@ def _fused_refusal(problem: Problem) -> str | None:
 
     if not (hasattr(plgpu, "remote_ref") and hasattr(pl, "get_global")):
         return f"fused=True needs Pallas Mosaic GPU's remote_ref and pl.get_global, absent in jax {jax.__version__}"
-    # Mosaic GPU addresses peers over all devices: one ring axis over every device, one process for all of
-    # them or one per device
+    # Mosaic GPU addresses peers over all devices: one ring axis over every device
     devices, processes = jax.device_count(), jax.process_count()
     if opts.axis_size != devices:
         return (f"fused=True needs the ring axis to span every device: axis {opts.axis_name!r} has "
                 f"{opts.axis_size} of {devices}")
-    if processes not in (1, devices):
-        return f"fused=True needs one process for all devices or one per device ({processes} for {devices})"
+    if processes > 1:
+        # measured: with one process per GPU the kernels' first peer access failed in NCCL
+        # (ncclGetPeerDevicePointer, 2 H100, jax 0.11.2, 2026-11-26)
+        return (f"fused=True runs with one process for all GPUs; {processes} processes here (one per GPU, NCCL "
+                f"could not map a peer GPU's memory for the kernels): use fused=False")
     return None
 
 

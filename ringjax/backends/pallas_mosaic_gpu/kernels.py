@@ -920,11 +920,13 @@ def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) 
 # --------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool):
+def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
     mod_refs = _mod_refs(opts, r)
+    # fused ring: the other sources' K/V, received by the dK/dV kernel (sub-step j in slot ring.slot(j))
+    k_recv, v_recv = r.take(2, ring is not None)
     dq_ref = r.take()
     dslope_ref = r.take(1, opts.has_alibi)
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, o_smem = r.take(7)
@@ -933,13 +935,26 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
     seg_bar = r.take(1, has_seg)
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    b, tiles, heads, bounds, span = _row_tiles_of_cta(walk, rng_ref, has_seg)
+    steps = 1 if ring is None else ring.steps
+
+    def of_step(ref, j):
+        """A per-source table (visits, key starts, key segments) of sub-step j."""
+        return ref if ring is None or ref is None else ref.at[j]
+
+    def sub_steps(body, carry):
+        """carry = body(j, carry) over the sources; carry ends with the visits streamed before sub-step j (a
+        Python 0 for one source: Mosaic GPU cannot lower a constant array as a loop index)."""
+        if steps == 1:
+            return body(0, (*carry, 0))
+        return lax.fori_loop(0, steps, body, (*carry, jnp.int32(0)))
+
+    b, tiles, heads, bounds, _ = _row_tiles_of_cta(walk, of_step(rng_ref, 0), has_seg)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(_REGS["dq"][0], action="increase")
-        tile, head, my = _consumer_share(wg, tiles, heads, bounds)
+        tile, head, _ = _consumer_share(wg, tiles, heads, bounds)
         mods = _Mods.read(opts, mod_refs, b, head)
         q0 = tile * ROWS
         qpos0 = qstart_ref[tile]
@@ -959,9 +974,17 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
         lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
         delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-        def step(i, blk, carry, kind):
+        def source(j, carry):
+            *acc, base = carry
+            _, _, _, j_bounds, span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg)
+            my = _consumer_share(wg, tiles, heads, j_bounds)[2]
+            kstart, kseg_j = of_step(kstart_ref, j), of_step(kseg_ref, j)
+            step = functools.partial(visit, base, kstart, kseg_j)
+            return (*_walk_tile(span, my, step, tuple(acc), walk), base + span.steps)
+
+        def visit(base, kstart, kseg_j, i, blk, carry, kind):
             dq, dslope = carry
-            slot = lax.rem(i, jnp.int32(stages))
+            slot = lax.rem(base + i, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
             if kind == "skip":
@@ -978,12 +1001,12 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             plgpu.barrier_arrive(v_free.at[slot])
             pos = None
             if _needs_positions(opts, kind):
-                pos = _tile_positions(s.shape, qpos0, kstart_ref[blk], walk)
+                pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
             dist = mods.distance(pos)
             s2, t = _scores2(s, opts, dist, mods)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
-                kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, blk, bk, wg, 0)
+                kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
                 p = jnp.where(_mask(opts, p.shape, pos, True, qseg, kseg), p, 0.0)
             keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
             if keep is not None:
@@ -1001,7 +1024,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
 
         dq_cols = d // 2 if walk.split else d
         init = (_zeros((ROWS, dq_cols)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None)
-        dq, dslope = _walk_tile(span, my, step, init, walk)
+        dq, dslope, _ = sub_steps(source, init)
         dq = dq * opts.softmax_scale
         _write_rows(dq, o_smem, wg, dq_ref.at[mine])
         if opts.has_alibi:  # lse is in registers: its shared-memory row carries the slope's gradient out
@@ -1020,8 +1043,22 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(_REGS["dq"][1], action="decrease")
-        _stream_kv(b, lax.div(heads[0], jnp.int32(groups)), span, bk, stages, (k_ref, v_ref), (k_smem, v_smem),
-                   (k_bar, v_bar), (k_free, v_free), split=walk.split)
+        stream = functools.partial(_stream_kv, b, lax.div(heads[0], jnp.int32(groups)), smem=(k_smem, v_smem),
+                                   loaded=(k_bar, v_bar), free=(k_free, v_free), split=walk.split, drain=False)
+
+        def source(j, carry):
+            (base,) = carry
+            span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg)[4]
+            if ring is None:
+                stream(span, bk, stages, (k_ref, v_ref), base=base)
+            else:
+                pl.when(j == ring.local)(lambda: stream(span, bk, stages, (k_ref, v_ref), base=base))
+                slot = ring.slot(j)
+                pl.when(j != ring.local)(lambda: stream(span, bk, stages, (k_recv.at[slot], v_recv.at[slot]),
+                                                        base=base))
+            return (base + span.steps,)
+
+        _drain(sub_steps(source, ())[0], stages, k_free, v_free)
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
@@ -1283,20 +1320,15 @@ def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[T
                    signal: bool = True):
     """The backward of `fused_ring_fwd`: one dK/dV kernel over every source, which copies this device's K/V to
     the others while it computes on its own, and stores the dK/dV partials of each other source into its
-    owner's receive slots (remote TMA, semaphores); then a dQ kernel per source on the K/V it received.
+    owner's receive slots (remote TMA, semaphores); then one dQ kernel over every source, on the K/V it received.
     Returns (dq, dk, dv, d alibi_slopes or None), float32. Head_dims up to 128 (`supports_fused_bwd`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     ring = (axis_name, axis_size, local, signal)
     dk, dv, k_recv, v_recv, dk_in, dv_in = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_infos, mods, opts,
                                                        config, ring=ring)
-    dq = dslope = None
-    for j, k_info in enumerate(k_infos):
-        slot = j - (j > local)
-        kj, vj = (k, v) if j == local else (k_recv[slot], v_recv[slot])
-        dq_j, dslope_j = _launch_dq(q, kj, vj, dout, lse2, delta, q_info, k_info, mods, opts, config)
-        dq = dq_j if dq is None else dq + dq_j
-        dslope = dslope_j if dslope is None else dslope + dslope_j
+    dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_infos, mods, opts, config, ring=ring,
+                            recv=(k_recv, v_recv))
     # the owners sum in slot order: the same bits run to run
     dk, dv = dk + dk_in.sum(axis=0), dv + dv_in.sum(axis=0)
     return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
@@ -1308,17 +1340,26 @@ def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
     return not split_head_dim(head_dim, v_head_dim)
 
 
-def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
-    """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream."""
+def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, ring=None, recv=()):
+    """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream. `ring` (axis_name,
+    axis_size, local, signal) with `k_info` a list of every source's: one launch over all of them, sub-step
+    `local` on k, v and the others on `recv` = (K, V) receive slots (`fused_ring_bwd`)."""
     b, t, h, d = q.shape
     s, g, has_seg, dt, dv = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
-    rng, prefix = _visit_table(opts, q_info, k_info, ROWS, bk)
+    k_infos = k_info if ring is not None else [k_info]
+
+    def per_source(xs):
+        return xs[0] if ring is None else jnp.stack(xs)
+
+    tables = [_visit_table(opts, q_info, x, ROWS, bk) for x in k_infos]
+    prefix = tables[0][1]
     split = split_head_dim(d, dv)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
                      prefix=prefix, split=split)
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, ROWS), block_starts(k_info, bk),
-                   *_segment_args(q_info, k_info), *mods])
+    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
+    args = _unify([q, k, v, dout, lse2, delta, per_source([rng for rng, _ in tables]), block_starts(q_info, ROWS),
+                   per_source([block_starts(x, bk) for x in k_infos]), *segs, *mods, *recv])
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split), vec, vec,  # q, dO, lse, delta
                _stream_smem(walk.stages, bk, d, dt, split), _stream_smem(walk.stages, bk, dv, dt, split),  # K, V
@@ -1335,8 +1376,9 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config):
     out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
     if opts.has_alibi:
         out_type.append(_compat.struct_like((b, h, t), jnp.float32, args[0]))
+    static = {} if ring is None else {"ring": _make_ring(ring, len(k_infos), b, "q")}  # it copies nothing
     outs = _launch(_dq_kernel, args, out_type, scratch, grid=(h // 2 if walk.pair_heads else h, walk.n_ctas, b),
-                   rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
+                   rows="q", walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config, **static)
     return outs[0], (outs[1] if opts.has_alibi else None)
 
 
