@@ -43,15 +43,15 @@ def refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | No
 
 
 def _regroup(x, n: int, axis: int):
-    """Element n * j + r of `axis` to position r * (len / n) + j (positions mod n together)."""
+    """Element n * j + r of `axis` to position r * (len / n) + j (positions mod n together); numpy or jax."""
     shape = x.shape[:axis] + (x.shape[axis] // n, n) + x.shape[axis + 1:]
-    return jnp.swapaxes(x.reshape(shape), axis, axis + 1).reshape(x.shape)
+    return x.reshape(shape).swapaxes(axis, axis + 1).reshape(x.shape)
 
 
 def _ungroup(x, n: int, axis: int):
     """The inverse of `_regroup`."""
     shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
-    return jnp.swapaxes(x.reshape(shape), axis, axis + 1).reshape(x.shape)
+    return x.reshape(shape).swapaxes(axis, axis + 1).reshape(x.shape)
 
 
 def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: Extras | None = None,
@@ -72,7 +72,7 @@ def partials(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: Extra
     unit = 2 * ROWS * n
     padded = -(-t // unit) * unit
     q = _regroup(jnp.pad(q, ((0, 0), (0, padded - t), (0, 0), (0, 0))), n, 1)
-    order = np.arange(padded).reshape(padded // n, n).T.reshape(-1)  # each regrouped row's query index
+    order = _regroup(np.arange(padded), n, 0)  # each regrouped row's query index
     padding = order >= t
     # 64-row tiles of padding alone sit far before position 0 (and in no segment): they see no key, so the
     # kernel's visit table skips them
