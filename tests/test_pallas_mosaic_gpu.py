@@ -470,6 +470,32 @@ def test_fused_ring_backward_above_head_dim_128_is_the_step_ring():
     assert FUSED_FWD_KERNEL.ring_fwd is FUSED_KERNEL.ring_fwd
 
 
+@pytest.mark.parametrize("n, offset, steps", [(2, 0, 2), (4, 0, 4), (8, 0, 8), (8, 2, 4)])
+def test_fused_ring_bookkeeping_matches_the_ring_plan(n, offset, steps):
+    """Where the fused kernels send what (`kernels._Ring`): sub-step j visits the K/V of the ring plan's source
+    for step j, so its dK/dV partials go to that device; every device receives one partial per receive slot,
+    and its own K/V go to exactly the devices whose sub-steps visit them."""
+    from ringjax.backends.pallas_mosaic_gpu.kernels import _Ring
+    from ringjax.core.schedule import RingPlan
+
+    plan, ring = RingPlan(offset=offset, num_steps=steps), _Ring("sp", n, steps, offset, 1, 1)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("sp",))
+    sources = jax.jit(jax.shard_map(lambda x: jnp.stack([ring.source(j) for j in range(steps)])[None] + x,
+                                    mesh=mesh, in_specs=P("sp"), out_specs=P("sp")))(jnp.zeros((n, 1), jnp.int32))
+    sources = np.asarray(sources)  # [device, sub-step]
+    assert (sources == [[plan.source(m, j, n) for j in range(steps)] for m in range(n)]).all()
+    received = {}  # (owner, slot) -> senders of dK/dV partials
+    for m in range(n):
+        for j, slot in ring.sends():
+            received.setdefault((int(sources[m, j]), slot), []).append(m)
+    assert sorted(received) == [(o, s) for o in range(n) for s in range(steps - 1)]
+    assert all(len(senders) == 1 for senders in received.values())
+    # K/V: device m sends its own to m - local + j at sub-step j, the device whose sub-step j visits m
+    for m in range(n):
+        for j, _ in ring.sends():
+            assert sources[(m - offset + j) % n, j] == m
+
+
 def test_fused_ring_refusals():
     """fused=True refuses what its kernel cannot do, naming why; without a ring it is the plain step."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import _fused_refusal
