@@ -321,8 +321,8 @@ def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
-# the fused forward ring (`fused=True`): the ring axis spans every GPU; cases at several rings, whichever the
-# machine has, plus masks that empty or shorten steps and packed documents across shards
+# the fused ring (`fused=True`, forward and backward): the ring axis spans every GPU; cases at several rings,
+# whichever the machine has, plus masks that empty or shorten steps and packed documents across shards
 FUSED_RING_CASES = [c for c in RING_CASES if c[0] > 1] + [
     (2, "contiguous", "bfloat16", dict(seq=1024, batch=2, heads=4, kv_heads=2, head_dim=128, segments="random"),
      dict(causal=True)),

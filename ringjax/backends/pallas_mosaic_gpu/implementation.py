@@ -142,7 +142,7 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
 
 
 def _fused_refusal(problem: Problem) -> str | None:
-    """Why the fused forward ring (`MosaicGpuConfig(fused=True)`) cannot run this call, or None."""
+    """Why the fused ring (`MosaicGpuConfig(fused=True)`) cannot run this call, or None."""
     import jax
 
     opts = problem.opts
