@@ -599,7 +599,6 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     seg_bar = r.take(1, has_seg)
 
     bk, stages = walk.block, walk.stages
-    steps = 1 if ring is None else ring.steps
     first_row = 0 if ring is None else ring.copy_rows
     wg = lax.axis_index("wg")
     sem = None if ring is None else pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))
@@ -607,16 +606,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     fold = opts.logits_soft_cap is None and not opts.has_alibi
     scale = opts.softmax_scale * LOG2E if fold else 1.0
 
-    def of_step(ref, j):
-        """A per-source table (visits, key starts, key segments) of sub-step j."""
-        return ref if ring is None or ref is None else ref.at[j]
-
-    def sub_steps(body, carry):
-        """carry = body(j, carry) over the sub-steps; carry ends with the visits streamed before sub-step j.
-        The plain step starts from a Python 0 (Mosaic GPU cannot lower a constant array as a loop index)."""
-        if steps == 1:
-            return body(0, (*carry, 0))
-        return lax.fori_loop(0, steps, body, (*carry, jnp.int32(0)))
+    of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
 
     def schedule():
         plgpu.barrier_arrive(sched)
@@ -859,13 +849,9 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
                      prefix=prefix)
     has_seg = q_info.seg is not None
-
-    def per_source(xs):
-        return xs[0] if ring is None else jnp.stack(xs)
-
-    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
-    args = [q, k, v, per_source([rng for rng, _ in tables]), block_starts(q_info, ROWS),
-            per_source([block_starts(x, bk) for x in k_infos]), *segs, *_mod_args(opts, extras, h)]
+    kstarts, segs = _key_tables(q_info, k_infos, bk, ring is not None)
+    args = [q, k, v, _per_source([rng for rng, _ in tables], ring is not None), block_starts(q_info, ROWS), kstarts,
+            *segs, *_mod_args(opts, extras, h)]
     args = _unify(args)
     dt, dv = q.dtype, v.shape[3]
     scratch = [
@@ -908,6 +894,33 @@ def _make_ring(ring, steps: int, batch: int, row_axis: str) -> _Ring:
     return _Ring(axis_name, axis_size, steps, local, copy_rows, copy_rows * batch, signal, row_axis)
 
 
+def _of_step(ring: _Ring | None, ref, j):
+    """A per-source table (visits, key starts, key segments) of sub-step j: the table itself outside a
+    fused ring pass."""
+    return ref if ring is None or ref is None else ref.at[j]
+
+
+def _sub_steps(ring: _Ring | None, body, carry):
+    """carry = body(j, carry) over a kernel's sources; carry ends with the visits streamed before sub-step j.
+    One source starts from a Python 0 (Mosaic GPU cannot lower a constant array as a loop index)."""
+    if ring is None or ring.steps == 1:
+        return body(0, (*carry, 0))
+    return lax.fori_loop(0, ring.steps, body, (*carry, jnp.int32(0)))
+
+
+def _per_source(xs, fused: bool):
+    """A launch's per-source tables: one source's as it is, a fused ring pass's stacked by sub-step."""
+    return jnp.stack(xs) if fused else xs[0]
+
+
+def _key_tables(q_info: TokenInfo, k_infos: list[TokenInfo], block: int, fused: bool):
+    """The sources' key block starts, and [query segment ids, the sources' key segment ids] (none without)."""
+    starts = _per_source([block_starts(x, block) for x in k_infos], fused)
+    if q_info.seg is None:
+        return starts, []
+    return starts, [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
+
+
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
     """Largest block <= want (64, 128 or 256) whose blocks each hold positions base + stride * i."""
     for blk in (256, 128, 64):
@@ -935,18 +948,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
     seg_bar = r.take(1, has_seg)
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
-    steps = 1 if ring is None else ring.steps
-
-    def of_step(ref, j):
-        """A per-source table (visits, key starts, key segments) of sub-step j."""
-        return ref if ring is None or ref is None else ref.at[j]
-
-    def sub_steps(body, carry):
-        """carry = body(j, carry) over the sources; carry ends with the visits streamed before sub-step j (a
-        Python 0 for one source: Mosaic GPU cannot lower a constant array as a loop index)."""
-        if steps == 1:
-            return body(0, (*carry, 0))
-        return lax.fori_loop(0, steps, body, (*carry, jnp.int32(0)))
+    of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
 
     b, tiles, heads, bounds, _ = _row_tiles_of_cta(walk, of_step(rng_ref, 0), has_seg)
     wg = lax.axis_index("wg")
@@ -1087,10 +1089,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         kv_heads = k_ref.shape[2]
         j = lax.rem(ring.local + lax.div(kvh, jnp.int32(kv_heads)), jnp.int32(ring.steps))
         kvh, cta = lax.rem(kvh, jnp.int32(kv_heads)), cta - ring.copy_rows
-        rng_ref, kstart_ref = rng_ref.at[j], kstart_ref.at[j]
-        kseg_ref = None if kseg_ref is None else kseg_ref.at[j]
+        rng_ref, kstart_ref, kseg_ref = (_of_step(ring, x, j) for x in (rng_ref, kstart_ref, kseg_ref))
 
-    def tiles(kv_src, store):
+    def key_tiles(kv_src, store):
         """Key tiles of CTA `cta`, KV head `kvh`: K/V tiles read from the refs `kv_src()` gives; `store(write)`
         calls `write(dk_ref, dv_ref)` with where each consumer's dK/dV go."""
         row = b if has_seg else 0
@@ -1252,7 +1253,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         write(dk_ref, dv_ref)
 
     if ring is None:
-        tiles(lambda: (k_ref, v_ref), own)
+        key_tiles(lambda: (k_ref, v_ref), own)
         return
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # a source's K/V landed here
     dsem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # partials of our K/V landed here
@@ -1260,7 +1261,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     @pl.when(jnp.logical_not(copy_row) & (j == ring.local))
     def _():
-        tiles(lambda: (k_ref, v_ref), own)
+        key_tiles(lambda: (k_ref, v_ref), own)
 
     @pl.when(jnp.logical_not(copy_row) & (j != ring.local))
     def _():
@@ -1281,7 +1282,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     if ring.signal:
                         pl.semaphore_signal(dsem.at[slot], device_id=owner)
 
-        tiles(kv_src, to_owner)
+        key_tiles(kv_src, to_owner)
 
     @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
     def _():
@@ -1348,18 +1349,14 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
     s, g, has_seg, dt, dv = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
     k_infos = k_info if ring is not None else [k_info]
-
-    def per_source(xs):
-        return xs[0] if ring is None else jnp.stack(xs)
-
     tables = [_visit_table(opts, q_info, x, ROWS, bk) for x in k_infos]
     prefix = tables[0][1]
     split = split_head_dim(d, dv)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
                      prefix=prefix, split=split)
-    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
-    args = _unify([q, k, v, dout, lse2, delta, per_source([rng for rng, _ in tables]), block_starts(q_info, ROWS),
-                   per_source([block_starts(x, bk) for x in k_infos]), *segs, *mods, *recv])
+    kstarts, segs = _key_tables(q_info, k_infos, bk, ring is not None)
+    args = _unify([q, k, v, dout, lse2, delta, _per_source([rng for rng, _ in tables], ring is not None),
+                   block_starts(q_info, ROWS), kstarts, *segs, *mods, *recv])
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split), vec, vec,  # q, dO, lse, delta
                _stream_smem(walk.stages, bk, d, dt, split), _stream_smem(walk.stages, bk, dv, dt, split),  # K, V
@@ -1406,14 +1403,9 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     bq = _fit(t, config.dkv_block_q, opts)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
     k_infos = k_info if ring is not None else [k_info]
-
-    def per_source(xs):
-        return xs[0] if ring is None else jnp.stack(xs)
-
-    rng = per_source([_visit_table(opts, x, q_info, ROWS, bq, transpose=True)[0] for x in k_infos])
-    segs = [q_info.seg.astype(jnp.int32), per_source([x.seg.astype(jnp.int32) for x in k_infos])] if has_seg else []
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq),
-                   per_source([block_starts(x, ROWS) for x in k_infos]), *segs, *mods])
+    rng = _per_source([_visit_table(opts, x, q_info, ROWS, bq, transpose=True)[0] for x in k_infos], ring is not None)
+    kstarts, segs = _key_tables(q_info, k_infos, ROWS, ring is not None)
+    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), kstarts, *segs, *mods])
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split),  # K, V
                _stream_smem(walk.stages, bq, d, dt, split), _stream_smem(walk.stages, bq, dv, dt, split),  # q, dO
