@@ -496,6 +496,22 @@ def test_fused_ring_bookkeeping_matches_the_ring_plan(n, offset, steps):
             assert sources[(m - offset + j) % n, j] == m
 
 
+def test_fused_config_picks_the_kernels(monkeypatch):
+    """fused=True runs the fused forward and backward on a ring, the fused forward with the step-ring backward
+    above head_dim 128, and the plain step kernels without a ring (one device)."""
+    from ringjax.backends.pallas_mosaic_gpu import implementation as impl
+
+    ran = []
+    monkeypatch.setattr(impl, "_refusal", lambda problem, config=None: None)
+    monkeypatch.setattr(impl, "ring_attention_shard", lambda opts, kernel, *args: ran.append(kernel.name))
+    for n, head_dim in ((2, 128), (2, 256), (1, 128)):
+        opts = AttentionOptions(axis_name="sp" if n > 1 else None, axis_size=n, causal=True)
+        problem = registry.Problem(opts=opts, batch=1, seq=1024, heads=4, kv_heads=2, head_dim=head_dim,
+                                   dtype="bfloat16", platform="gpu")
+        impl.IMPLEMENTATION.run(problem, MosaicGpuConfig(fused=True), *[None] * 7)
+    assert ran == ["pallas_mosaic_gpu_fused", "pallas_mosaic_gpu_fused_fwd", "pallas_mosaic_gpu"]
+
+
 def test_fused_ring_refusals():
     """fused=True refuses what its kernel cannot do, naming why; without a ring it is the plain step."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import _fused_refusal

@@ -208,7 +208,7 @@ class PallasMosaicGpuImplementation:
         if why is not None:  # an explicit config= can ask for more than supports() checked
             raise ValueError(f"pallas_mosaic_gpu cannot run this call: {why}")
         kernel = KERNEL
-        if config.fused:
+        if config.fused and problem.opts.axis_name is not None and problem.opts.axis_size > 1:  # else no ring
             from ringjax.backends.pallas_mosaic_gpu.kernels import supports_fused_bwd
 
             kernel = FUSED_KERNEL if supports_fused_bwd(*problem.head_dims) else FUSED_FWD_KERNEL
