@@ -7,6 +7,7 @@ jnp.dot), and a lowering test checks that they lower to Mosaic GPU for CUDA.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringjax
 from ringjax.backends.pallas_mosaic_gpu.implementation import IMPLEMENTATION, MosaicGpuConfig, interpreter_refusal
-from ringjax.core.masks import Extras, TokenInfo
+from ringjax.core.masks import Extras, StepOptions, TokenInfo
 from ringjax.dispatch import registry
 from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
@@ -78,31 +79,39 @@ def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=
 
 
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
-                config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, v_head_dim=None, **kw):
+                config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, v_head_dim=None,
+                sink_step=False, **kw):
     """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys);
     `gather`: keys are the whole sequence in natural order (the all-gather schedule); `v_head_dim`: v's and
-    dO's head_dim (None: head_dim)."""
+    dO's head_dim (None: head_dim); `sink_step`: keys are the first 64 tokens, of which only the pairs the
+    sink rule alone shows count (a shortened ring's sink step)."""
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     total = local * n
     kw.setdefault("softmax_scale", head_dim ** -0.5)
     rng = np.random.default_rng(shard * 7 + src)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    k_len = total if gather else local
+    k_len = total if gather else 64 if sink_step else local
     q = cast(rng.standard_normal((batch, local, heads, head_dim)))
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     k, v = (cast(rng.standard_normal((batch, k_len, kv_heads, d))) for d in (head_dim, v_head_dim))
     do = cast(rng.standard_normal((batch, local, heads, v_head_dim)))
     qpos = local_positions(layout, shard, n, local, xp=np, subshards=subshards)
-    kpos = np.arange(total) if gather else local_positions(layout, src, n, local, xp=np, subshards=subshards)
+    kpos = np.arange(total) if gather else np.arange(k_len) if sink_step else local_positions(
+        layout, src, n, local, xp=np, subshards=subshards)
     seg = None
     if segments is not None:
         seg = np.asarray(segments, np.int32)
-    mask = mask_reference(total, causal=kw.get("causal", False), window=kw.get("window"),
-                          segment_ids=seg, chunk_size=kw.get("chunk_size"),
-                          num_sink_tokens=kw.get("num_sink_tokens", 0))[:, qpos][:, :, kpos]
+    rule = functools.partial(mask_reference, total, causal=kw.get("causal", False), window=kw.get("window"),
+                             segment_ids=seg, chunk_size=kw.get("chunk_size"))
+    mask = rule(num_sink_tokens=kw.get("num_sink_tokens", 0))
+    if sink_step:
+        mask = mask & ~rule()
+    mask = mask[:, qpos][:, :, kpos]
     opts = AttentionOptions(layout=layout, axis_size=n, has_segments=seg is not None, has_alibi=alibi,
                             dropout_rate=dropout_rate, gather_kv=gather, subshards=subshards, **kw)
+    if sink_step:
+        opts = StepOptions.sink_step(opts)
     mods, extras = {}, Extras()
     if alibi:
         slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
@@ -169,6 +178,13 @@ STEP_CASES = [
     ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, alibi=True)),
     ("contiguous", 1, 0, 0, 512, "float16", dict(causal=True, window=(70, 0), num_sink_tokens=5)),
     ("striped", 2, 1, 0, 256, "bfloat16", dict(causal=True, window=(130, 0), num_sink_tokens=3)),
+    # sink tokens the window hides leave the dK/dV kernel for a dense product: keys holding them (or not),
+    # with every modifier, beside chunks, and the shortened ring's step of sink tokens alone
+    ("contiguous", 2, 1, 0, 256, "float16", dict(causal=True, window=(60, 0), num_sink_tokens=4, alibi=True,
+                                                 dropout_rate=0.2, logits_soft_cap=8.0)),
+    ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=4)),
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96, num_sink_tokens=2)),
+    ("contiguous", 4, 2, 0, 256, "float16", dict(causal=True, window=(100, 0), num_sink_tokens=3, sink_step=True)),
     # the all-gather schedule's natural key order, and Ulysses' interleaved subshards
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True)),
     ("striped", 2, 0, 0, 256, "float16", dict(causal=True, gather=True, window=(90, 0))),
@@ -283,6 +299,9 @@ RING_CASES = [
     (2, "zigzag", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128, alibi=True, dropout_key=5),
      dict(causal=True, dropout_rate=0.1, logits_soft_cap=20.0)),
     (2, "contiguous", "float16", dict(seq=1024, heads=4, kv_heads=2, head_dim=64),
+     dict(causal=True, sliding_window=100, num_sink_tokens=3)),
+    # a window that shortens the ring: the sink tokens take a step of their own
+    (4, "contiguous", "bfloat16", dict(seq=1024, heads=4, kv_heads=2, head_dim=128, alibi=True),
      dict(causal=True, sliding_window=100, num_sink_tokens=3)),
     # head_dims beyond 64 and 128 (above 128 the backward splits the head_dim between its consumers)
     (1, "contiguous", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=256), dict(causal=True)),
@@ -676,6 +695,35 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 3
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+def test_sink_step_lowers_for_cuda():
+    """A shortened ring's step of sink tokens alone: its mask (sink pairs the base rule hides) lowers for CUDA
+    (an invert of a bool vector did not), and its dK/dV is the dense product, not a kernel."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
+
+    t, d = 256, 64
+    opts = StepOptions.sink_step(AttentionOptions(softmax_scale=0.1, causal=True, window=(100, 0), num_sink_tokens=3,
+                                                  axis_size=4))
+    cfg = MosaicGpuConfig(block_kv=64, dq_block_kv=64, dkv_block_q=64)
+
+    def infos():
+        qpos, kpos = jnp.arange(t, dtype=jnp.int32) + 2 * t, jnp.arange(64, dtype=jnp.int32)
+        return TokenInfo(qpos, None, qpos[None]), TokenInfo(kpos, None, kpos[None])
+
+    def f(q, k, v, do, lse, delta):
+        return (block_fwd(q, k, v, *infos(), Extras(), opts, cfg),
+                block_bwd(q, k, v, do, lse, delta, *infos(), Extras(), opts, cfg))
+
+    s = jax.ShapeDtypeStruct
+    qs, ks, ls = s((1, t, 4, d), jnp.float16), s((1, 64, 2, d), jnp.float16), s((1, 4, t), jnp.float32)
+    text = jax.jit(f).trace(qs, ks, ks, qs, ls, ls).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2  # forward and dQ
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")

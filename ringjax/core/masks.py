@@ -123,7 +123,11 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, 
         return base
     # sink tokens: the first s tokens of the query's own segment, never in its future
     sink = _and(k_segpos < opts.num_sink_tokens, same, k_pos <= q_pos if opts.causal else None)
-    return sink & ~base if is_sink_step(opts) else base | sink
+    if is_sink_step(opts):
+        # not `sink & ~base`: Mosaic GPU cannot lower a bool vector's invert (jax 0.11.2: "Register bitwidth
+        # in target type must be divisible by 8, got 2")
+        return jnp.where(base, False, sink)
+    return base | sink
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:

@@ -48,7 +48,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, epilogue_slots
-from ringjax.core.masks import Extras, TokenInfo, is_sink_step, may_skip, visible_pairs
+from ringjax.core.dense import few_keys_grads
+from ringjax.core.masks import Extras, StepOptions, TokenInfo, is_sink_step, may_skip, visible_pairs
 from ringjax.core.modifiers import (
     LOG2E,
     alibi_distance_pairs,
@@ -58,6 +59,7 @@ from ringjax.core.modifiers import (
     dropout_terms,
     logits2,
 )
+from ringjax.core.schedule import reach
 from ringjax.core.tiles import block_stride
 from ringjax.core.visits import block_starts, range_table, sink_range_table
 from ringjax.options import AttentionOptions
@@ -1310,10 +1312,44 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
         return dq, dk, dv, None
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
+    dslope = None if dslope is None else dslope.sum(axis=(0, 2))
+    if is_sink_step(opts):  # keys that every query sees: see `_sink_key_grads`
+        dk, dv = few_keys_grads(q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
+        return dq, dk, dv, dslope
     if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
         dq, q = lax.optimization_barrier((dq, q))
-    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
-    return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
+    apart = _sinks_apart(opts)
+    kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config)
+    if apart:
+        dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
+    return dq, dk, dv, dslope
+
+
+def _sinks_apart(opts: AttentionOptions) -> bool:
+    """Whether the dK/dV kernel leaves the sink tokens to `_sink_key_grads`: where a window or chunks hide
+    some of their pairs (else the base rule shows them all) and without segments (whose sinks start
+    every document)."""
+    return bool(opts.num_sink_tokens) and not opts.has_segments and reach(opts) is not None
+
+
+def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
+    """dK/dV plus the pairs that only the sink rule shows, computed densely in XLA.
+
+    The dK/dV kernel walks queries per key tile: the tile holding the sink tokens would walk every query
+    tile alone while the others walk their window, and finish last (4 sink tokens beside a window of 1024,
+    8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Here the sink keys of this
+    step (at most num_sink_tokens; none on most ring steps, then their terms are dropped) meet every query
+    in one small product (`dense.few_keys_grads`)."""
+    s = opts.num_sink_tokens
+    hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
+    idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
+    pos = jnp.arange(s, dtype=jnp.int32)
+    sink_info = TokenInfo(pos, None, pos[None, :])  # without segments a token's offset is its position
+    dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info, sink_info, extras,
+                                StepOptions.sink_step(opts))
+    keep = present[None, :, None, None]
+    return dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
 
 
 def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,

@@ -12,14 +12,11 @@ from jax import lax
 
 from ringjax import _compat
 from ringjax.backends.xla.config import XlaCacheConfig, XlaConfig
-from ringjax.core.masks import BlockRange, Extras, TokenInfo, may_skip, maybe_visible, visible, visible_pairs
+from ringjax.core.dense import Tile, tile_grads
+from ringjax.core.masks import BlockRange, Extras, TokenInfo, may_skip, maybe_visible, visible_pairs
 from ringjax.core.modifiers import (
-    alibi_distance,
     alibi_distance_pairs,
-    dropout_batch_head,
-    dropout_keep,
     logits,
-    logits_and_slope,
 )
 from ringjax.core.precision import DEFAULT, dot_precision
 from ringjax.core.schedule import reach
@@ -79,36 +76,6 @@ def _at(x, i):
     return None if x is None else x[i]
 
 
-class _Tile:
-    """Mask, bias and dropout of one (query block, key block) pair, shaped [B|1, KVH, G, bq, bk]."""
-
-    def __init__(self, opts, extras: Extras, qb_info, kb_info, kv_heads, groups):
-        qp, kp = qb_info.pos, kb_info.pos
-        self.vis = visible(opts, qb_info, kb_info)[:, None, None]
-        self.bias = self.dist = None
-        if extras.alibi_slopes is not None:
-            self.dist = alibi_distance(qp, kp)
-            slopes = extras.alibi_slopes.astype(jnp.float32).reshape(kv_heads, groups)[None, :, :, None, None]
-            self.bias = slopes * self.dist
-        self.rate = opts.dropout_rate
-        if self.rate:
-            self.heads = jnp.arange(kv_heads * groups, dtype=jnp.int32).reshape(1, kv_heads, groups, 1, 1)
-            self.seed, self.head_slice, self.qp, self.kp = extras.dropout_seed, extras.head_slice, qp, kp
-
-    def logits(self, s):
-        s = s if self.bias is None else s + self.bias
-        return jnp.where(self.vis, s, -jnp.inf)
-
-    def dropped(self, x, batch: int):
-        """x * keep / (1 - rate), applied to P (and to dP in backward)."""
-        if not self.rate:
-            return x
-        b = jnp.arange(batch, dtype=jnp.int32).reshape(batch, 1, 1, 1, 1)
-        batch_head = dropout_batch_head(self.head_slice, b, self.heads, self.heads.size)
-        keep = dropout_keep(self.seed, self.rate, batch_head, self.qp, self.kp)
-        return jnp.where(keep, x * (1.0 / (1.0 - self.rate)), 0.0)
-
-
 def _tiling(q, k, v, opts: AttentionOptions, config: XlaConfig):
     """(batch, heads, kv_heads, groups, block_q, block_kv, n_q_blocks, n_kv_blocks); any divisor is a legal block."""
     tl = Tiling.of(q, k, v, pick_block(q.shape[1], config.block_q, opts),
@@ -140,8 +107,8 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
         def kv_block(j, carry):
             def compute(carry):
                 m, denom, acc = carry
-                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
-                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
+                tile = Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                            TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
                 s = tile.logits(logits(qk, opts))
                 m_new = jnp.maximum(m, s.max(axis=-1))
@@ -186,26 +153,13 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         def q_block(i, carry):
             def compute(carry):
                 dq_acc, dslopes, dk, dv = carry
-                tile = _Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
-                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
-                qi, doi = qb[i], dob[i]
-                qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32, precision=prec)
-                s, slope = logits_and_slope(qk, opts)
-                p = jnp.exp(tile.logits(s) - lseb[i][..., None])  # 0 where masked
-                p_drop = tile.dropped(p, b)
-                dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p_drop.astype(dout.dtype), doi,
-                                     preferred_element_type=jnp.float32, precision=prec)
-                dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32, precision=prec)
-                # d out / d logit = P * (keep/(1-rate) * dP - delta): dropout enters through dP only
-                ds_logit = p * (tile.dropped(dp, b) - deltab[i][..., None])
+                tile = Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
+                            TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
+                dq_i, dk_i, dv_i, ds_logit = tile_grads(qb[i], dob[i], kj, vj, lseb[i], deltab[i], tile, opts, b,
+                                                        prec)
                 if alibi:
                     dslopes = dslopes + (ds_logit * tile.dist).sum(axis=(0, 3, 4))
-                ds = ds_logit * slope
-                dq_i = jnp.einsum("bhgqk,bhkd->bhgqd", ds.astype(k.dtype), kj,
-                                  preferred_element_type=jnp.float32, precision=prec)
-                dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds.astype(q.dtype), qi,
-                                     preferred_element_type=jnp.float32, precision=prec)
-                return dq_acc.at[i].add(dq_i), dslopes, dk, dv
+                return dq_acc.at[i].add(dq_i), dslopes, dk + dk_i, dv + dv_i
 
             if not skip:
                 return compute(carry)
