@@ -185,6 +185,7 @@ STEP_CASES = [
     ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=4)),
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96, num_sink_tokens=2)),
     ("contiguous", 4, 2, 0, 256, "float16", dict(causal=True, window=(100, 0), num_sink_tokens=3, sink_step=True)),
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True, window=(90, 0), num_sink_tokens=3)),
     # the all-gather schedule's natural key order, and Ulysses' interleaved subshards
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True)),
     ("striped", 2, 0, 0, 256, "float16", dict(causal=True, gather=True, window=(90, 0))),
