@@ -23,6 +23,13 @@ class TokenInfo(NamedTuple):
     seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
     segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
 
+    @classmethod
+    def first(cls, n: int) -> TokenInfo:
+        """The first n tokens of an unsegmented sequence (the sink tokens' step): a token's offset is its
+        position."""
+        pos = jnp.arange(n, dtype=jnp.int32)
+        return cls(pos, None, pos[None, :])
+
 
 class BlockRange(NamedTuple):
     """Bounds of a block's positions and segment ids: scalars, or arrays over many blocks that

@@ -199,8 +199,7 @@ def _sink_kv(x, pos, opts):
 
 
 def _sink_info(opts):
-    pos = jnp.arange(_sink_slots(opts), dtype=jnp.int32)
-    return TokenInfo(pos, None, pos[None, :])
+    return TokenInfo.first(_sink_slots(opts))
 
 
 def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):

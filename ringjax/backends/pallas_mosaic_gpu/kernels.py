@@ -1344,9 +1344,7 @@ def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, o
     s = opts.num_sink_tokens
     hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
     idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
-    pos = jnp.arange(s, dtype=jnp.int32)
-    sink_info = TokenInfo(pos, None, pos[None, :])  # without segments a token's offset is its position
-    dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info, sink_info, extras,
+    dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info, TokenInfo.first(s), extras,
                                 StepOptions.sink_step(opts))
     keep = present[None, :, None, None]
     return dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
