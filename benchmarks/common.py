@@ -207,10 +207,13 @@ _STRATEGY = re.compile(r"strategy='auto' chose (\w+)")
 
 def picked(messages: list[str]) -> dict:
     """What ringjax logged running: {"implementation": name} ("auto" with a note when none was logged),
-    plus {"chosen": strategy, "reason": the log line} when strategy="auto" chose one."""
+    {"fused": True} when its config ran the fused ring, plus {"chosen": strategy, "reason": the log line}
+    when strategy="auto" chose one."""
     names = [found.group(1) for found in map(_IMPLEMENTATION.match, messages) if found]
     out = {"implementation": names[0]} if names else {"implementation": "auto",
                                                       "note": "ringjax logged no implementation for this call"}
+    if any(_IMPLEMENTATION.match(m) and '"fused": true' in m for m in messages):  # a ring in one kernel per pass
+        out["fused"] = True
     for m in messages:
         found = _STRATEGY.search(m)
         if found:

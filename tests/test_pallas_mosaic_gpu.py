@@ -8,6 +8,7 @@ jnp.dot), and a lowering test checks that they lower to Mosaic GPU for CUDA.
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -366,10 +367,11 @@ def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
 
 
 @hopper_only
-@pytest.mark.parametrize("how", ["mesh_arg", "set_mesh"])
-def test_fused_ring_on_a_user_mesh(how):
+@pytest.mark.parametrize("how", ["mesh_arg", "set_mesh", "auto"])
+def test_fused_ring_on_a_user_mesh(how, caplog):
     """The fused ring on global arrays over `jax.sharding.Mesh(devices, names)` (Auto axes, as MaxText-style
-    code builds it), passed as `mesh=` or set with `jax.set_mesh`: out and lse against the float64 reference."""
+    code builds it), passed as `mesh=` or set with `jax.set_mesh`: out and lse against the float64 reference.
+    "auto": no implementation or config named, the heuristic runs the fused ring and the log says so."""
     n = jax.device_count()
     if n < 2:
         pytest.skip("the fused ring needs 2 GPUs or more")
@@ -380,7 +382,12 @@ def test_fused_ring_on_a_user_mesh(how):
     q, k, v = (put(x[name]) for name in ("q", "k", "v"))
     kw = dict(causal=True, layout="zigzag", return_lse=True, implementation="pallas_mosaic_gpu",
               config=MosaicGpuConfig(fused=True))
-    if how == "mesh_arg":
+    if how == "auto":
+        with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
+            out, lse = ringjax.ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", return_lse=True)
+        assert any(m.startswith("ring_attention/pallas_mosaic_gpu: heuristic") and '"fused": true' in m
+                   for m in caplog.messages), caplog.messages
+    elif how == "mesh_arg":
         out, lse = ringjax.ring_attention(q, k, v, mesh=mesh, **kw)
     else:
         with jax.set_mesh(mesh):
@@ -547,6 +554,38 @@ def test_fused_ring_refusals():
     if jax.device_count() != 3:
         why = _fused_refusal(problem(3, causal=True))
         assert why and ("every device" in why or "remote_ref" in why)
+
+
+def test_heuristic_fuses_the_ring_where_it_fits(monkeypatch):
+    """The heuristic config (what `auto` runs without a tuned entry) is the fused ring on a ring the fused kernels
+    take whose receive slots fit an eighth of the GPU's memory; the step ring elsewhere. Tuning keeps its pick."""
+    from ringjax.backends.pallas_mosaic_gpu import implementation as impl
+
+    def problem(n=2, seq=8192, platform="gpu", **kw):
+        return registry.Problem(opts=AttentionOptions(axis_name="sp" if n > 1 else None, axis_size=n, causal=True,
+                                                      **kw), batch=1, seq=seq, heads=32, kv_heads=8, head_dim=128,
+                                dtype="bfloat16", platform=platform)
+
+    for name in ("_fused_refusal", "_device_refusal"):
+        monkeypatch.setattr(impl, name, lambda problem: None)
+    monkeypatch.setattr(impl, "_jax_refusal", lambda: None)
+    monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: 60e9)  # XLA's share of an 80 GB H100
+    # per other source: 8192 tokens x 8 KV heads x (128 + 128) x (2 bytes + 4 for the float32 partials)
+    assert impl.fused_ring_bytes(problem(4)) == 3 * 8192 * 8 * 256 * 6
+    assert impl.default_config(problem()).fused
+    assert all(c.fused for c in impl.IMPLEMENTATION.candidate_configs(problem()))
+    assert impl.default_config(problem(4, layout="contiguous", window=(1000, 0))).fused  # a shortened ring
+    # 512K tokens per GPU on 8 GPUs: 7 x 6 GiB of slots, over 7.5 GB
+    assert not impl.default_config(problem(8, seq=2**19)).fused
+    assert impl.default_config(problem(2, seq=2**19)).fused  # 6 GiB: 1M tokens on 2 GPUs
+    assert not impl.default_config(problem(1)).fused  # no ring
+    assert not impl.default_config(problem(platform="cpu")).fused
+    assert not any(c.fused for c in impl.IMPLEMENTATION.candidate_configs(problem(1)))
+    monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: None)  # the allocator does not say
+    assert not impl.default_config(problem()).fused
+    monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: 60e9)
+    monkeypatch.setattr(impl, "_fused_refusal", lambda problem: "one process per GPU")
+    assert not impl.default_config(problem()).fused
 
 
 @hopper_only

@@ -4,7 +4,8 @@ strategy will run (`dispatch/costs.py`) plus its collectives at measured rates.
 Per device, N devices on the axis, t local tokens, s bytes per element:
 - ring: the kernels of every visited step, and at each step after the first the chip's ring-step cost
   (`plan.Chip.ring_step_s`); each step's K/V shift (and backward's K/V + float32 dK/dV) shows only where it
-  outlasts that step's compute; the backward's dK/dV trip home shows whole;
+  outlasts that step's compute; the backward's dK/dV trip home shows whole; a fused ring (`fused` in the
+  config its implementation picks) pays no step cost, and its copies show only where they outlast the pass;
 - all_gather: gather (N - 1) K/V shards forward, again backward, reduce-scatter float32 dK/dV; none hidden;
 - ulysses: q, k, v to whole sequences of H/N heads and out, lse back (one all-to-all each; backward the
   transposes), (N - 1)/N of each array moving, none hidden; where the layout leaves a device's tokens out of
@@ -44,18 +45,23 @@ def _collective(calibration: costs.Calibration, kind: str, notes: list[str]) -> 
 
 def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibration, *,
                    implementation: str = "auto", op: str = "ring_attention",
-                   memory_fraction: float = plan.DEFAULT_MEMORY_FRACTION) -> tuple[plan.StrategyCost, ...] | None:
+                   memory_fraction: float = plan.DEFAULT_MEMORY_FRACTION,
+                   fused: bool | None = None) -> tuple[plan.StrategyCost, ...] | None:
     """Predicted cost of each of `strategies` (bound `spread.Strategy`s over one axis) for the local problem
-    `base`, or None if the calibration cannot predict the kernel one of them would run."""
+    `base`, or None if the calibration cannot predict the kernel one of them would run. `fused`: whether the
+    ring runs fused (None: as the implementation's heuristic config says here)."""
     out = []
     for strategy in strategies:
         problem = strategy.problem(base)
-        reg, _ = registry.choose(op, implementation, problem)
+        reg, impl = registry.choose(op, implementation, problem)
         kernel = costs.predict(calibration, reg.name, problem)
         if kernel is None:
             return None
-        notes = [n for n in (f"runs {reg.name}", kernel.note) if n]
-        fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes)
+        # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels
+        in_kernel = strategy.name == "ring" and (
+            bool(getattr(impl.default_config(problem), "fused", False)) if fused is None else fused)
+        notes = [n for n in (f"runs {reg.name}" + (" (fused ring)" if in_kernel else ""), kernel.note) if n]
+        fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes, in_kernel)
         sort = _token_sort_s(strategy, base, calibration, notes)
         hbm = calibration.hbm_bytes or (getattr(plan.chip_for(calibration.device_kind), "hbm_bytes", 0.0))
         budget = memory_fraction * hbm if hbm else math.inf
@@ -68,8 +74,9 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
     return tuple(out)
 
 
-def _communication(strategy, base, problem, kernel: costs.Prediction, calibration, notes):
-    """(exposed forward collective seconds, exposed backward seconds, extra memory bytes) of one strategy."""
+def _communication(strategy, base, problem, kernel: costs.Prediction, calibration, notes, fused: bool = False):
+    """(exposed forward collective seconds, exposed backward seconds, extra memory bytes) of one strategy;
+    `fused`: the ring's kernels copy K/V (backward: and the float32 dK/dV partials) themselves."""
     import jax.numpy as jnp
 
     s = jnp.dtype(base.dtype).itemsize
@@ -83,6 +90,11 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
         chip = plan.chip_for(calibration.device_kind)
         paid_fwd, paid_bwd = chip.ring_step_s if chip is not None else (0.0, 0.0)
         steps = costs.calls(problem)
+        if fused:  # every copy overlaps the one pass's compute, and no step pays a launch or a merge
+            others = steps - 1
+            fwd = max(0.0, shift.seconds(others * kv_loc) - kernel.fwd_s)
+            bwd = max(0.0, shift.seconds(others * kv_loc * (1 + f32)) - (kernel.fwd_bwd_s - kernel.fwd_s))
+            return fwd, bwd, others * kv_loc * (1 + f32)
         fwd_step, bwd_step = kernel.fwd_s / steps, (kernel.fwd_bwd_s - kernel.fwd_s) / steps
         fwd = (steps - 1) * (paid_fwd + max(0.0, shift.seconds(kv_loc) - fwd_step))
         bwd = (steps - 1) * (paid_bwd + max(0.0, shift.seconds(kv_loc * (1 + f32)) - bwd_step)) \

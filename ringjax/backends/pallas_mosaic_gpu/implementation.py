@@ -168,13 +168,54 @@ def _fused_refusal(problem: Problem) -> str | None:
     return None
 
 
+# the most of a GPU's memory the fused ring's receive slots may take before the heuristic keeps the step ring:
+# the model's weights and activations need the rest
+FUSED_MEMORY_FRACTION = 0.125
+
+
+def fused_ring_bytes(problem: Problem) -> int:
+    """Memory the fused ring holds beyond the step ring's at its peak, the backward: the other sources' K/V and
+    their float32 dK/dV partials (receive slots of every source but this device's own)."""
+    import jax.numpy as jnp
+
+    others = ring_plan(problem.opts, problem.seq).num_steps - 1
+    row = problem.batch * problem.seq * problem.kv_heads * (problem.head_dim + problem.v_head_dim)
+    return others * row * (jnp.dtype(problem.dtype).itemsize + 4)
+
+
+@functools.cache
+def _gpu_memory_bytes() -> int | None:
+    """What XLA may allocate on this host's first GPU (its `bytes_limit`), or None where it does not say."""
+    import jax
+
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # CPU devices and some plugins have no allocator statistics
+        return None
+    return stats.get("bytes_limit")
+
+
+def fuses_ring(problem: Problem) -> bool:
+    """Whether the heuristic config runs the fused ring: there is a ring, `_fused_refusal` finds nothing, and
+    its receive slots fit `FUSED_MEMORY_FRACTION` of the GPU's memory. Measured faster than the step ring in
+    every case on 2 and 4 GPUs (docs/pallas_mosaic_gpu.md)."""
+    if problem.opts.axis_name is None or problem.opts.axis_size == 1 or problem.platform != "gpu":
+        return False
+    if _fused_refusal(problem) is not None or _jax_refusal() or _device_refusal(problem.platform):
+        return False
+    memory = _gpu_memory_bytes()
+    return memory is not None and fused_ring_bytes(problem) <= FUSED_MEMORY_FRACTION * memory
+
+
 def default_config(problem: Problem) -> MosaicGpuConfig:
     widest = max(problem.head_dims)
     if widest <= 64:
-        return MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=3)
-    if widest > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
-        return MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2)
-    return MosaicGpuConfig()
+        config = MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=3)
+    elif widest > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
+        config = MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2)
+    else:
+        config = MosaicGpuConfig()
+    return dataclasses.replace(config, fused=True) if fuses_ring(problem) else config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,12 +232,12 @@ class PallasMosaicGpuImplementation:
     def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
         # measured on one H200 (docs/performance.md): 128-key forward blocks with 2 stages lead (64 with 4
         # stages lost 10-15%); the rest differ by a few percent, so the tuner decides
-        out = []
+        out, fused = [], fuses_ring(problem)  # tuned on a ring: the same ring kernels as the heuristic's
         for pair_heads in (True, False):
             for block_kv, stages in ((128, 2), (64, 3), (64, 2)):
                 for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
                     cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
-                                          dkv_num_stages=dkv_stages, pair_heads=pair_heads)
+                                          dkv_num_stages=dkv_stages, pair_heads=pair_heads, fused=fused)
                     sizes = cfg.smem_bytes(problem.head_dim, 2, problem.opts.has_segments,
                                            problem.v_head_dim).values()
                     if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
