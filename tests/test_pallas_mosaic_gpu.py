@@ -376,7 +376,9 @@ def test_fused_ring_on_a_user_mesh(how, caplog):
     if n < 2:
         pytest.skip("the fused ring needs 2 GPUs or more")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
-    x = make_inputs(n * 11, seq=512 * n, heads=8, kv_heads=2, head_dim=128, dtype="bfloat16")
+    # "auto" on a shape of its own: the explicit cases' compiled call (the same config) would be reused, unlogged
+    x = make_inputs(n * 11, seq=(1024 if how == "auto" else 512) * n, heads=8, kv_heads=2, head_dim=128,
+                    dtype="bfloat16")
     put = lambda a: jax.device_put(ringjax.to_layout(jnp.asarray(a, jnp.bfloat16), "zigzag", n),  # noqa: E731
                                    jax.NamedSharding(mesh, P(None, "sp")))
     q, k, v = (put(x[name]) for name in ("q", "k", "v"))
@@ -580,6 +582,7 @@ def test_heuristic_fuses_the_ring_where_it_fits(monkeypatch):
     assert impl.default_config(problem(2, seq=2**19)).fused  # 6 GiB: 1M tokens on 2 GPUs
     assert not impl.default_config(problem(1)).fused  # no ring
     assert not impl.default_config(problem(platform="cpu")).fused
+    assert not impl.default_config(problem(gather_kv=True)).fused  # the all-gather strategy: no ring
     assert not any(c.fused for c in impl.IMPLEMENTATION.candidate_configs(problem(1)))
     monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: None)  # the allocator does not say
     assert not impl.default_config(problem()).fused

@@ -199,7 +199,8 @@ def fuses_ring(problem: Problem) -> bool:
     """Whether the heuristic config runs the fused ring: there is a ring, `_fused_refusal` finds nothing, and
     its receive slots fit `FUSED_MEMORY_FRACTION` of the GPU's memory. Measured faster than the step ring in
     every case on 2 and 4 GPUs (docs/pallas_mosaic_gpu.md)."""
-    if problem.opts.axis_name is None or problem.opts.axis_size == 1 or problem.platform != "gpu":
+    opts = problem.opts
+    if opts.axis_name is None or opts.axis_size == 1 or opts.gather_kv or problem.platform != "gpu":  # no ring
         return False
     if _fused_refusal(problem) is not None or _jax_refusal() or _device_refusal(problem.platform):
         return False
