@@ -129,7 +129,8 @@ def test_shipped_calibration_is_rebuilt_from_the_results(want, pattern, shipped)
 
 
 def _strategy_rows(pattern):
-    """(file, case, strategy, measured fwd+bwd ms, implementation, device kind, whether Ulysses sorted its tokens)
+    """(file, case, strategy, measured fwd+bwd ms, implementation, device kind, whether Ulysses sorted its tokens,
+    whether the ring ran fused: rows from 2026-11-26 on, where `auto`'s heuristic config picks it)
     of every strategy measured in the results files matching `pattern`: the strategies suite's rows and the ring
     suite's ring. Rows timed back to back (`--back-to-back`) are left out: the model prices a call synced with
     the host, as the suites time by default and as its figures were fitted."""
@@ -143,7 +144,7 @@ def _strategy_rows(pattern):
             name = case.get("strategy", "ring")
             if name != "auto" and timed.get("fwd_bwd_ms"):
                 out.append((path, case, name, timed["fwd_bwd_ms"], timed["implementation"], row["device_kind"],
-                            timed.get("sort_tokens", False)))
+                            timed.get("sort_tokens", False), name == "ring" and timed.get("fused", False)))
     return out
 
 
@@ -168,12 +169,12 @@ def _check_strategy_rows(pattern, kind):
     so its pick is compared with Ulysses' time only where the row ran it sorted."""
     rows = _strategy_rows(pattern)
     measured = {}
-    for path, case, name, ms, implementation, row_kind, sort_tokens in rows:
+    for path, case, name, ms, implementation, row_kind, sort_tokens, fused in rows:
         assert row_kind == kind, (path, row_kind)
         base = _global_case(case, kind)
         n = case["devices"]
         cost, = predict.strategy_costs(base, [_as_measured(name, n, sort_tokens)], costs.load(kind),
-                                       implementation=implementation)
+                                       implementation=implementation, fused=fused)
         assert abs(cost.total_s * 1e3 / ms - 1) < 0.15, (case, name, sort_tokens, cost.total_s * 1e3, ms)
         key = (path, *sorted((k, v) for k, v in case.items() if k != "strategy"))  # one run's strategies
         if name != "ulysses" or sort_tokens:
@@ -232,6 +233,26 @@ def test_sorted_ulysses_is_priced_on_visible_pairs_and_its_copy():
     base = _problem(axis_size=2)
     (got,), (was,) = (predict.strategy_costs(base, [s], calibration, implementation=impl) for s in (new, old))
     assert got.total_s == pytest.approx(was.total_s)
+
+
+def test_a_fused_ring_pays_its_copies_and_no_step_costs():
+    """The fused ring (MosaicGpuConfig(fused=True), the heuristic's pick on GPUs) is one pass per direction: its
+    kernel's time, no chip ring-step cost, and its copies whole (K/V forward; K/V and float32 dK/dV backward)."""
+    calibration, impl = costs.load(H100), "pallas_mosaic_gpu"
+    base = _problem(layout="zigzag", axis_size=2)  # 8K tokens per GPU, 32 / 8 heads, bf16
+    ring = spread.bind("ring", "sp", {"sp": 2})
+    (fused,), (step,) = (predict.strategy_costs(base, [ring], calibration, implementation=impl, fused=f)
+                         for f in (True, False))
+    kernel = costs.predict(calibration, impl, ring.problem(base))
+    kv = 8192 * 8 * 256 * 2  # one shard's K and V
+    shift = plan.CHIPS["h100"].collective("ppermute")
+    assert fused.fwd_s == pytest.approx(kernel.fwd_s + shift.seconds(kv))
+    assert fused.total_s == pytest.approx(kernel.fwd_bwd_s + shift.seconds(kv) + shift.seconds(3 * kv))
+    assert fused.total_s < step.total_s and fused.memory_bytes == 3 * kv
+    assert "(fused ring)" in fused.note and "(fused ring)" not in step.note
+    # on this CPU host the Mosaic kernels cannot run: the heuristic's config, and so the default, is the step ring
+    default, = predict.strategy_costs(base, [ring], calibration, implementation=impl)
+    assert default.total_s == step.total_s
 
 
 def test_strategy_predictions_on_two_h200():

@@ -386,7 +386,8 @@ def test_fused_ring_on_a_user_mesh(how, caplog):
               config=MosaicGpuConfig(fused=True))
     if how == "auto":
         with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
-            out, lse = ringjax.ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", return_lse=True)
+            out, lse = ringjax.ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", return_lse=True,
+                                              strategy="ring")
         assert any(m.startswith("ring_attention/pallas_mosaic_gpu: heuristic") and '"fused": true' in m
                    for m in caplog.messages), caplog.messages
     elif how == "mesh_arg":

@@ -40,10 +40,11 @@ class MosaicGpuConfig(KernelConfig):
     dK/dV likewise one kernel that also stores the other sources' float32 partials into their owners' slots
     (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
     source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not
-    O(sequence / devices)); the ring axis must span every device. `interpret=True` runs the same
-    kernels in jax's GPU interpreter on any platform, with the block matmuls as jnp.dot: for
-    eager per-step tests on CPU (slow; under jit the interpreter can stall on hosts with few
-    cores).
+    O(sequence / devices)); the ring axis must span every device. The heuristic config (what `auto` runs
+    untuned) sets it where the call allows and those slots fit (`implementation.fuses_ring`).
+    `interpret=True` runs the same kernels in jax's GPU interpreter on any platform, with the block
+    matmuls as jnp.dot: for eager per-step tests on CPU (slow; under jit the interpreter can stall on
+    hosts with few cores).
     """
 
     block_kv: int = one_of(_BLOCKS, default=128)
