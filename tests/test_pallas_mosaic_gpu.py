@@ -367,27 +367,28 @@ def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
 
 
 @hopper_only
-@pytest.mark.parametrize("how", ["mesh_arg", "set_mesh", "auto"])
+@pytest.mark.parametrize("how", ["mesh_arg", "set_mesh", "heuristic"])
 def test_fused_ring_on_a_user_mesh(how, caplog):
     """The fused ring on global arrays over `jax.sharding.Mesh(devices, names)` (Auto axes, as MaxText-style
     code builds it), passed as `mesh=` or set with `jax.set_mesh`: out and lse against the float64 reference.
-    "auto": no implementation or config named, the heuristic runs the fused ring and the log says so."""
+    "heuristic": no config named, the heuristic config (what `auto` runs untuned) is the fused ring and the log
+    says so. (At these sizes the cost model picks the Triton kernels for implementation="auto".)"""
     n = jax.device_count()
     if n < 2:
         pytest.skip("the fused ring needs 2 GPUs or more")
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
-    # "auto" on a shape of its own: the explicit cases' compiled call (the same config) would be reused, unlogged
-    x = make_inputs(n * 11, seq=(1024 if how == "auto" else 512) * n, heads=8, kv_heads=2, head_dim=128,
+    # a shape of its own: the explicit cases' compiled call (the same config) would be reused, unlogged
+    x = make_inputs(n * 11, seq=(1024 if how == "heuristic" else 512) * n, heads=8, kv_heads=2, head_dim=128,
                     dtype="bfloat16")
     put = lambda a: jax.device_put(ringjax.to_layout(jnp.asarray(a, jnp.bfloat16), "zigzag", n),  # noqa: E731
                                    jax.NamedSharding(mesh, P(None, "sp")))
     q, k, v = (put(x[name]) for name in ("q", "k", "v"))
     kw = dict(causal=True, layout="zigzag", return_lse=True, implementation="pallas_mosaic_gpu",
               config=MosaicGpuConfig(fused=True))
-    if how == "auto":
+    if how == "heuristic":
         with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
             out, lse = ringjax.ring_attention(q, k, v, mesh=mesh, causal=True, layout="zigzag", return_lse=True,
-                                              strategy="ring")
+                                              strategy="ring", implementation="pallas_mosaic_gpu")
         assert any(m.startswith("ring_attention/pallas_mosaic_gpu: heuristic") and '"fused": true' in m
                    for m in caplog.messages), caplog.messages
     elif how == "mesh_arg":
