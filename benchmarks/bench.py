@@ -688,6 +688,26 @@ def table_step(rows):
                           body)
 
 
+def copies_ms(row, mode: str):
+    """Time the ring's K/V copies take at the chip's measured ppermute rate, hidden or not: N - 1 shards' K/V
+    forward; fwd+bwd also their K/V and float32 dK/dV again. None where the chip has no measured rate."""
+    from ringjax.strategies import plan
+
+    chip, n = plan.chip_for(row.get("device_kind", "")), row["case"]["devices"]
+    shift = chip.collective("ppermute") if chip is not None else None
+    if shift is None:
+        return None
+    moved = row["kv_bytes_per_step"] + (row["kv_bytes_per_step_bwd"] if mode == "fwd_bwd" else 0)
+    return round(1e3 * shift.seconds((n - 1) * moved), 3)
+
+
+def over_split_ms(row, timing: dict, mode: str):
+    """A ring's time over a perfect split of the one-device time (one device's / N): what its copies did not
+    hide, with its launches, merges and imbalance."""
+    ring_ms, one_ms = timing.get(f"{mode}_ms"), row["one_device"].get(f"{mode}_ms")
+    return round(ring_ms - one_ms / row["case"]["devices"], 3) if ring_ms and one_ms else None
+
+
 def table_ring(rows):
     fused = any("fused" in r for r in rows)  # runs with --fused
     body = []
@@ -699,16 +719,21 @@ def table_ring(rows):
                      tflops(r["ring"], "fwd"), tflops(r["ring"], "fwd_bwd"), tflops(r["one_device"], "fwd"),
                      tflops(r["one_device"], "fwd_bwd"), tflops(r["cudnn"], "fwd"), tflops(r["cudnn"], "fwd_bwd"),
                      vs_own["fwd"], vs_own["fwd_bwd"], vs_cudnn["fwd"], vs_cudnn["fwd_bwd"],
-                     r["kv_bytes_per_step"] / 2**20, r["kv_bytes_per_step_bwd"] / 2**20, r.get("rel_err")])
+                     r["kv_bytes_per_step"] / 2**20, r["kv_bytes_per_step_bwd"] / 2**20,
+                     copies_ms(r, "fwd"), copies_ms(r, "fwd_bwd"), over_split_ms(r, r["ring"], "fwd"),
+                     over_split_ms(r, r["ring"], "fwd_bwd"), r.get("rel_err")])
         if fused:
             f, f_own = r.get("fused") or {}, r.get("fused_over_one_device") or {}
             body[-1] += [tflops(f, "fwd") if f else "—", tflops(f, "fwd_bwd") if f else "—", f_own.get("fwd"),
-                         f_own.get("fwd_bwd")]
+                         f_own.get("fwd_bwd"), over_split_ms(r, f, "fwd") if f else "—",
+                         over_split_ms(r, f, "fwd_bwd") if f else "—"]
     head = ["devices", "tokens/device", "total T", "implementation", "ring fwd TFLOP/s/device", "ring fwd+bwd",
             "one device fwd", "one device fwd+bwd", "cuDNN fwd", "cuDNN fwd+bwd", "ring/one fwd", "ring/one fwd+bwd",
-            "ring/cuDNN fwd", "ring/cuDNN fwd+bwd", "K/V MiB per step fwd", "bwd", "rel err vs one device"]
+            "ring/cuDNN fwd", "ring/cuDNN fwd+bwd", "K/V MiB per step fwd", "bwd", "copies ms fwd",
+            "copies ms fwd+bwd", "ring over split ms fwd", "ring over split ms fwd+bwd", "rel err vs one device"]
     if fused:
-        head += ["fused fwd", "fused fwd+bwd", "fused/one fwd", "fused/one fwd+bwd"]
+        head += ["fused fwd", "fused fwd+bwd", "fused/one fwd", "fused/one fwd+bwd", "fused over split ms fwd",
+                 "fused over split ms fwd+bwd"]
     return markdown_table(head, body)
 
 
@@ -964,7 +989,10 @@ SUITES = {
         run_ring, table_ring, plot_ring, help="the zigzag ring over all local devices vs the same work on one device",
         caption=f"Causal, zigzag layout. {COUNT}, per device over the total T. \"one device\": ringjax "
                 "(axis_name=None) and cuDNN on the whole sequence. K/V per step: one shard's K and V (forward); "
-                "K, V and the float32 dK, dV accumulators (backward).",
+                "K, V and the float32 dK, dV accumulators (backward). copies ms: the time those bytes of N - 1 "
+                "shards take at the chip's measured ppermute rate; over split ms: the ring's time minus one "
+                "device's / N, what the ring did not hide (its copies, launches, merges and imbalance): where it "
+                "is below the copies' time, the rest was hidden.",
         label="devices", devices="all", defaults={"tokens_per_device": [4096, 8192, 16384, 32768]},
         tiny={"tokens_per_device": [64, 128]}),
     "strategies": Suite(
