@@ -9,8 +9,9 @@ module fits rates to them and predicts:
   (causal, window, chunks, sink tokens, layout, ring size), times 2 * batch * heads * (head_dim +
   v_head_dim) FLOPs forward (QK^T over q/k's head_dim, PV over v's) and 3.5x that forward + backward
   (FlashAttention's convention);
-- per implementation and dtype class: seconds = overhead * calls + work / rate, the rate and
-  overhead fitted to the plain rows, causal and not causal apart, the rate scaled by the measured
+- per implementation and dtype class: seconds = overhead * calls + row_s * rows + work / rate (rows: batch x
+  queries x heads x head_dim; row_s only where lengths spanning 8x were measured, then fitted on the
+  relative errors), fitted to the plain rows, causal and not causal apart, the rate scaled by the measured
   head_dim nearest to the problem's and slowed by each feature's measured factor; a head_dim or
   feature one implementation was not measured at borrows the geometric mean of the factors measured
   for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing),
@@ -163,6 +164,11 @@ def kernel_flops(problem: Problem) -> tuple[float, float]:
     return fwd, fwd + bwd
 
 
+def row_units(problem: Problem) -> float:
+    """batch x queries x heads x head_dim of one kernel call (q's and v's head_dims averaged)."""
+    return problem.batch * problem.seq * problem.heads * (problem.head_dim + problem.v_head_dim) / 2
+
+
 def calls(problem: Problem) -> int:
     """Kernel calls a device makes: one per ring step it visits (one with K/V gathered)."""
     from ringjax.core.schedule import ring_plan
@@ -193,10 +199,18 @@ def cost_features(opts) -> tuple[str, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """time = overhead_s * calls + work / (tflops * 1e12), per mode (fwd, fwd_bwd)."""
+    """time = overhead_s * calls + row_s * rows + work / (tflops * 1e12), per mode (fwd, fwd_bwd); rows:
+    batch x queries x heads x head_dim over every call (`row_units`)."""
 
     tflops: Mapping[str, float]  # visible-work FLOP rate of the plain kernel at REFERENCE_HEAD_DIM
     overhead_s: Mapping[str, float]  # fixed cost per kernel call
+    # cost linear in the queries (loading q, writing out, a causal kernel's diagonal tiles computed whole):
+    # fitted where lengths spanning 8x or more were measured, else 0
+    row_s: Mapping[str, float] = dataclasses.field(default_factory=lambda: {m: 0.0 for m in MODES})
+
+    def fixed_s(self, mode: str, calls: int, rows: float) -> float:
+        """The part of a call's time that is not its FLOPs."""
+        return self.overhead_s[mode] * calls + self.row_s[mode] * rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,13 +235,13 @@ class Rates:
         return self.line(True).tflops
 
     def seconds(self, mode: str, flops: float, calls: int, head_dim: float, features: Sequence[str],
-                causal: bool = True) -> float:
+                causal: bool = True, rows: float = 0.0) -> float:
         factor = 1.0
         for name in features:
             factor *= self.features.get(name, {}).get(mode, 1.0)
         line = self.line(causal)
         rate = line.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
-        return line.overhead_s[mode] * calls + flops / rate * factor
+        return line.fixed_s(mode, calls, rows) + flops / rate * factor
 
     def _head_dim_factor(self, head_dim: float, mode: str) -> float:
         dims = {REFERENCE_HEAD_DIM: {m: 1.0 for m in MODES}, **self.head_dims}
@@ -314,8 +328,9 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     # measured at one head_dim for q, k and v: a v of another width is priced at their mean (the FLOPs'
     # average matmul width)
     dim = (problem.head_dim + problem.v_head_dim) / 2
-    fwd = rates.seconds("fwd", flops, n, dim, feats, causal)
-    fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, n, dim, feats, causal)
+    rows = n * row_units(problem)
+    fwd = rates.seconds("fwd", flops, n, dim, feats, causal, rows)
+    fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, n, dim, feats, causal, rows)
     notes = []
     if rates.lent(dim, feats):
         notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))
@@ -347,14 +362,41 @@ def problem_of(row: Mapping[str, Any], platform: str = "gpu", device_kind: str =
                    else precisions.DEFAULT)
 
 
-def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(overhead s, FLOP/s) of time = overhead + flops / rate, least squares, overhead >= 0."""
+def _fit_line(points: list[tuple[float, float]], relative: bool = False) -> tuple[float, float]:
+    """(overhead s, FLOP/s) of time = overhead + flops / rate, least squares (on the relative error with
+    `relative`), overhead >= 0."""
     if len({f for f, _ in points}) > 1:
         f, t = np.array(points).T
-        slope, intercept = np.polyfit(f, t, 1)
+        slope, intercept = np.polyfit(f, t, 1, w=1 / t if relative else None)
         if intercept >= 0 and slope > 0:
             return float(intercept), float(1.0 / slope)
     return 0.0, sum(f for f, _ in points) / sum(t for _, t in points)
+
+
+# lengths a kernel line needs for its per-row term: at least this many, the longest this many times the shortest
+_ROW_FIT_LENGTHS, _ROW_FIT_SPAN = 4, 8
+
+
+def _fit_kernel_line(points: list[tuple[int, float, float, float]]) -> tuple[float, float, float]:
+    """(overhead s, FLOP/s, s per row unit) of time = overhead + rows * row_s + flops / rate from (length, flops,
+    rows, seconds) points, least squares on the relative error (a 1K call's miss counts as much as a 32K
+    one's). Measured on one H100 from 1K to 32K tokens (2026-11-26), a causal kernel's time is not affine in
+    its FLOPs (its diagonal tiles are whole): two terms missed 1K by 80% or 32K by 13%, three are within 7%
+    fwd+bwd. Fewer lengths than `_ROW_FIT_LENGTHS` spanning `_ROW_FIT_SPAN` x cannot tell the terms apart:
+    two terms, least squares on the absolute error as before."""
+    lengths = sorted({n for n, *_ in points})
+    if len(lengths) >= _ROW_FIT_LENGTHS and lengths[-1] >= _ROW_FIT_SPAN * lengths[0]:
+        _, f, r, t = np.array(points, dtype=float).T
+        design = np.stack([np.ones_like(f), f, r], 1)
+        coef = np.linalg.lstsq(design / t[:, None], np.ones_like(t), rcond=None)[0]
+        if coef.min() >= 0 and coef[1] > 0:
+            return float(coef[0]), float(1.0 / coef[1]), float(coef[2])
+    overhead, rate = _fit_line([(f, t) for _, f, _, t in points])
+    return overhead, rate, 0.0
+
+
+def _row_units(row: Mapping[str, Any]) -> float:
+    return row_units(problem_of(row))
 
 
 def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
@@ -377,14 +419,16 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
         base = [(row, flops) for row, flops, f, d, c in measured if len(f) == fewest and d == ref_dim and c == causal]
         if not base:
             continue
-        tflops, overhead = {}, {}
+        tflops, overhead, per_row = {}, {}, {}
         for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
-            points = [(flops * scale, row[f"{mode}_ms"] * 1e-3) for row, flops in base if row.get(f"{mode}_ms")]
+            points = [(row["seq"], flops * scale, _row_units(row), row[f"{mode}_ms"] * 1e-3) for row, flops in base
+                      if row.get(f"{mode}_ms")]
             if not points and mode == "fwd_bwd":  # forward only: assume the convention's ratio
-                points = [(flops * scale, row["fwd_ms"] * 1e-3 * scale) for row, flops in base]
-            overhead[mode], rate = _fit_line(points)
+                points = [(row["seq"], flops * scale, _row_units(row), row["fwd_ms"] * 1e-3 * scale)
+                          for row, flops in base]
+            overhead[mode], rate, per_row[mode] = _fit_kernel_line(points)
             tflops[mode] = rate / 1e12
-        lines[causal] = Line(tflops, overhead)
+        lines[causal] = Line(tflops, overhead, per_row)
     fallback = lines.get(True) or lines[False]
 
     def factor(row, flops, causal, mode, scale):
@@ -392,7 +436,8 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
         t, line = row.get(f"{mode}_ms"), lines.get(causal, fallback)
         if not t:
             return None
-        return max(t * 1e-3 - line.overhead_s[mode], 1e-9) * line.tflops[mode] * 1e12 / (flops * scale)
+        return max(t * 1e-3 - line.fixed_s(mode, 1, _row_units(row)), 1e-9) * line.tflops[mode] * 1e12 / (
+            flops * scale)
 
     modes = (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR))
     # with no plain row the base rows' features are in the line: priced 1.0, not lent by other implementations

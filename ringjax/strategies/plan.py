@@ -68,8 +68,12 @@ class Chip:
 # rows are now predicted 7-9% low.)
 _H100_NVLINK = Collective(0.09e-3, 274e9)
 _H100_ALL_TO_ALL = Collective(0.0, 274e9)
-# ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 0.65 ms backward per step
-_H100_RING_STEP = (0.09e-3, 0.65e-3)
+# ring rows, after the dK/dV trip home at the figure above: 0.09 ms forward, 0.65 ms backward per step as
+# first fitted; refitted 2026-11-26 when the kernel lines gained a per-query term from 1K-4K measurements
+# (dispatch/costs.py), whose per-call costs now hold the forward's share: nothing left forward, 0.5 ms
+# backward (the 15 step-ring rows of 2026-11-25 within 11% fwd+bwd; 0.35 ms put them within 6% but priced the
+# step ring at 8K tokens per GPU with 8 KV heads close enough to all_gather that auto kept it, 10% slower)
+_H100_RING_STEP = (0.0, 0.5e-3)
 
 # Measured on 2 H200 SXM (NVLink 4 through NVSwitch), jax 0.11.2, 2026-11-26: fitted to
 # benchmarks/results/nvidia-h200_x2_2026-11-26_strategies.jsonl (causal zigzag, bf16, 32 heads, 8 and 32 KV
