@@ -362,12 +362,11 @@ def problem_of(row: Mapping[str, Any], platform: str = "gpu", device_kind: str =
                    else precisions.DEFAULT)
 
 
-def _fit_line(points: list[tuple[float, float]], relative: bool = False) -> tuple[float, float]:
-    """(overhead s, FLOP/s) of time = overhead + flops / rate, least squares (on the relative error with
-    `relative`), overhead >= 0."""
+def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(overhead s, FLOP/s) of time = overhead + flops / rate, least squares, overhead >= 0."""
     if len({f for f, _ in points}) > 1:
         f, t = np.array(points).T
-        slope, intercept = np.polyfit(f, t, 1, w=1 / t if relative else None)
+        slope, intercept = np.polyfit(f, t, 1)
         if intercept >= 0 and slope > 0:
             return float(intercept), float(1.0 / slope)
     return 0.0, sum(f for f, _ in points) / sum(t for _, t in points)
