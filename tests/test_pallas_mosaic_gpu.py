@@ -204,6 +204,34 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
 
 
+@needs_kernels
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("kw", [dict(causal=True, segments=True), dict(causal=True, chunk_size=96),
+                                dict(causal=True, window=(60, 0), num_sink_tokens=3)])
+def test_forward_launches(kw, persistent):
+    """The forward's two launches: a CTA per row tile, or (persistent) a CTA per SM walking rows sorted by
+    their visits, here 3 CTAs over 8 or 16 uneven items (the interpreter's count)."""
+    kw, batch, segments = _with_docs(kw, 512)
+    _check_step("contiguous", 1, 0, 0, 512, "bfloat16", 64, 4, 2, batch=batch, segments=segments,
+                config=dataclasses.replace(SMALL, persistent=persistent), **kw)
+
+
+def test_persistent_order_puts_the_heaviest_rows_first():
+    from ringjax.backends.pallas_mosaic_gpu.kernels import _persistent_order, _walk_for
+    from ringjax.core.visits import range_table
+
+    opts = AttentionOptions(causal=True, chunk_size=128)
+    pos = jnp.arange(512, dtype=jnp.int32)
+    info = TokenInfo(pos, None, pos[None])
+    walk = _walk_for(opts, 512, 512, 64, 2, 2, transpose=False)
+    table = range_table(opts, info, info, 64, 64)
+    order = np.asarray(_persistent_order(table, walk))
+    steps = np.asarray(table[0, :, 3] - table[0, :, 0])  # blocks each 64-row tile visits
+    tiles = walk.n_ctas - 1 - order  # causal launches reverse the rows (heaviest_last)
+    assert sorted(order.tolist()) == list(range(walk.n_ctas))
+    assert np.all(np.diff(steps[tiles]) <= 0) and steps[tiles[0]] > steps[tiles[-1]]
+
+
 HEAD_DIM_CASES = [
     ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True)),
     ("zigzag", 2, 1, 0, 256, "float16", dict(causal=True, alibi=True, dropout_rate=0.2)),

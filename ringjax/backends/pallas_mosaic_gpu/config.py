@@ -42,6 +42,8 @@ class MosaicGpuConfig(KernelConfig):
     source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not
     O(sequence / devices)); the ring axis must span every device. The heuristic config (what `auto` runs
     untuned) sets it where the call allows and those slots fit (`implementation.fuses_ring`).
+    `persistent`: the forward outside a fused ring launches one CTA per SM, each walking a strided share of
+    the row tiles, so each tile's pipeline fill and epilogue overlap the next tile's loads.
     `interpret=True` runs the same kernels in jax's GPU interpreter on any platform, with the block
     matmuls as jnp.dot: for eager per-step tests on CPU (slow; under jit the interpreter can stall on
     hosts with few cores).
@@ -56,6 +58,7 @@ class MosaicGpuConfig(KernelConfig):
     pair_heads: bool = True
     bwd_fused: bool = False
     fused: bool = False
+    persistent: bool = True
     interpret: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,

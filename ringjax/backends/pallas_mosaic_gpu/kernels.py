@@ -444,12 +444,14 @@ def _row_tile(walk: _Walk, cta, wg):
     return 2 * cta + wg, 0
 
 
-def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool, first_row: int = 0):
+def _row_tiles_of_cta(walk: _Walk, rng_ref, has_seg: bool, first_row: int = 0, where=None):
     """This CTA's batch, its consumers' (row tile, head offset) and heads, their visit bounds and the
     span the producer streams. Shared by the forward and dQ kernels, whose CTAs own 64-row query tiles;
-    `first_row`: grid rows in front of the first such CTA (the fused ring's copy CTAs)."""
-    b = lax.axis_index("b")
-    hx, cta = lax.axis_index("h"), lax.axis_index("q") - first_row
+    `first_row`: grid rows in front of the first such CTA (the fused ring's copy CTAs); `where`: the
+    (batch, head, row) of a persistent CTA's work item (`_Persist.at`), else the CTA's grid position."""
+    if where is None:
+        where = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("q")
+    b, hx, cta = where[0], where[1], where[2] - first_row
     row = b if has_seg else 0  # the visit table has a batch axis only with segments
     tiles = [_row_tile(walk, cta, w) for w in (0, 1)]
     heads = [(2 * hx + off) if walk.pair_heads else hx for _, off in tiles]
@@ -588,11 +590,13 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
         pl.semaphore_signal(sem.at[slot], device_id={ring.axis_name: dst})
 
 
-def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None):
+def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None,
+                persist: _Persist | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref = r.take(6)
     qseg_ref, kseg_ref = r.take(2, has_seg)
     mod_refs = _mod_refs(opts, r)
+    order_ref = r.take(1, persist is not None)
     out_ref, lse_ref = r.take(2)
     k_recv, v_recv = r.take(2, ring is not None)
     q_smem, k_smem, v_smem, o_smem, lse_smem = r.take(5)
@@ -609,133 +613,155 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     scale = opts.softmax_scale * LOG2E if fold else 1.0
 
     of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
+    base0 = 0 if persist is None else jnp.int32(0)
 
     def schedule():
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    def attention():
-        b, tiles, heads, bounds, _ = _row_tiles_of_cta(walk, of_step(rng_ref, 0), has_seg, first_row)
+    def cta(where, j=0):
+        return _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row, where)
 
+    def attention():
         @pl.when(wg < 2)
         def _consumer():
             plgpu.set_max_registers(_REGS["fwd"][0], action="increase")
-            tile, head, _ = _consumer_share(wg, tiles, heads, bounds)
-            mods = _Mods.read(opts, mod_refs, b, head)
-            q0 = tile * ROWS
-            qpos0 = qstart_ref[tile]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), head], q_smem.at[wg], q_bar.at[wg])
-            qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
-            plgpu.barrier_wait(q_bar.at[wg])
 
-            def sub_step(j, carry):
-                *state, base = carry
-                _, _, _, j_bounds, span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row)
-                my = _consumer_share(wg, tiles, heads, j_bounds)[2]
-                kstart, kseg_j = of_step(kstart_ref, j), of_step(kseg_ref, j)
+            def load_q(where):
+                b, tiles, heads, bounds, _ = cta(where)
+                tile, head, _ = _consumer_share(wg, tiles, heads, bounds)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tile * ROWS, ROWS), head], q_smem.at[wg], q_bar.at[wg])
 
-                def wait_next_k(i):
-                    """Wait for the K of visit i + 1 (consumers wait for each K once, in order)."""
+            def item(n, where, base):
+                b, tiles, heads, bounds, _ = cta(where)
+                tile, head, _ = _consumer_share(wg, tiles, heads, bounds)
+                mods = _Mods.read(opts, mod_refs, b, head)
+                q0 = tile * ROWS
+                qpos0 = qstart_ref[tile]
+                qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, tile, ROWS, wg, 1)
+                plgpu.barrier_wait(q_bar.at[wg])
 
-                    @pl.when(i + 1 < span.steps)
-                    def _():
-                        plgpu.barrier_wait(k_bar.at[lax.rem(base + i + 1, jnp.int32(stages))])
+                def sub_step(j, carry):
+                    *state, base = carry
+                    _, _, _, j_bounds, span = cta(where, j)
+                    my = _consumer_share(wg, tiles, heads, j_bounds)[2]
+                    kstart, kseg_j = of_step(kstart_ref, j), of_step(kseg_ref, j)
 
-                def step(i, blk, carry, kind):
-                    acc, m, row_sum = carry
-                    slot = lax.rem(base + i, jnp.int32(stages))
-                    if kind == "skip":
-                        schedule()
+                    def wait_next_k(i):
+                        """Wait for the K of visit i + 1 (consumers wait for each K once, in order)."""
+
+                        @pl.when(i + 1 < span.steps)
+                        def _():
+                            plgpu.barrier_wait(k_bar.at[lax.rem(base + i + 1, jnp.int32(stages))])
+
+                    def step(i, blk, carry, kind):
+                        acc, m, row_sum = carry
+                        slot = lax.rem(base + i, jnp.int32(stages))
+                        if kind == "skip":
+                            schedule()
+                            plgpu.barrier_arrive(k_free.at[slot])
+                            plgpu.barrier_arrive(sched)
+                            plgpu.barrier_wait(v_bar.at[slot])
+                            plgpu.barrier_wait(sched)
+                            plgpu.barrier_arrive(v_free.at[slot])
+                            wait_next_k(i)
+                            return carry
+
+                        # the other consumer's softmax runs while this matmul does
+                        s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True,
+                                       between=schedule, emulate=emulate)
                         plgpu.barrier_arrive(k_free.at[slot])
+                        pos = None
+                        if _needs_positions(opts, kind):
+                            pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
+                        if not fold:
+                            s, _ = _scores2(s, opts, mods.distance(pos), mods)
+                        if kind == "masked":
+                            kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
+                            s = jnp.where(_mask(opts, s.shape, pos, True, qseg, kseg), s, -jnp.inf)
+                        m_new = jnp.maximum(m, s.max(axis=1) * scale)
+                        # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
+                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
+                        alpha = jnp.exp2(m - m_use)
+                        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                        row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
+                        keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
+                        if keep is not None:
+                            p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
+                        p16 = p.astype(q_ref.dtype)
+                        acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
                         plgpu.barrier_arrive(sched)
                         plgpu.barrier_wait(v_bar.at[slot])
                         plgpu.barrier_wait(sched)
+
+                        # the next K's barrier is awaited while this matmul runs
+                        (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate,
+                                      between=lambda: wait_next_k(i))
                         plgpu.barrier_arrive(v_free.at[slot])
-                        wait_next_k(i)
-                        return carry
+                        return acc, m_new, row_sum
 
-                    # the other consumer's softmax runs while this matmul does
-                    s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True, between=schedule,
-                                   emulate=emulate)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    pos = None
-                    if _needs_positions(opts, kind):
-                        pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
-                    if not fold:
-                        s, _ = _scores2(s, opts, mods.distance(pos), mods)
-                    if kind == "masked":
-                        kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
-                        s = jnp.where(_mask(opts, s.shape, pos, True, qseg, kseg), s, -jnp.inf)
-                    m_new = jnp.maximum(m, s.max(axis=1) * scale)
-                    # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
-                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
-                    alpha = jnp.exp2(m - m_use)
-                    p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
-                    keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
-                    if keep is not None:
-                        p = jnp.where(keep, p, 0.0)  # 1 / (1 - rate) joins the final normalisation
-                    p16 = p.astype(q_ref.dtype)
-                    acc, row_sum, m_new, p16 = lax.optimization_barrier((acc, row_sum, m_new, p16))
-                    plgpu.barrier_arrive(sched)
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_wait(sched)
+                    @pl.when(span.steps > 0)
+                    def _():
+                        plgpu.barrier_wait(k_bar.at[lax.rem(base, jnp.int32(stages))])
 
-                    # the next K's barrier is awaited while this matmul runs
-                    (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate, between=lambda: wait_next_k(i))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, row_sum
+                    state = _walk_tile(span, my, step, tuple(state), walk)
+                    return (*state, base + span.steps)
 
-                @pl.when(span.steps > 0)
-                def _():
-                    plgpu.barrier_wait(k_bar.at[lax.rem(base, jnp.int32(stages))])
+                init = (_zeros((ROWS, v_ref.shape[-1])),
+                        plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                        _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
+                pl.when(wg == 1)(schedule)
+                acc, m, row_sum, base = sub_steps(sub_step, init, base)
+                pl.when(wg == 0)(schedule)
+                if persist is not None:  # the next item's Q loads during this one's epilogue (its last QK^T is done)
+                    pl.when(n + 1 < persist.count())(lambda: load_q(persist.at(n + 1, order_ref)))
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's lse store has read its row
 
-                state = _walk_tile(span, my, step, tuple(state), walk)
-                return (*state, base + span.steps)
+                seen = row_sum > 0.0
+                l_safe = jnp.where(seen, row_sum, 1.0)
+                norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
+                acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
+                lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+                _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
+                return base
 
-            init = (_zeros((ROWS, v_ref.shape[-1])), plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                                         plgpu.Layout.WGMMA.reduce(1)),
-                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
-            pl.when(wg == 1)(schedule)
-            acc, m, row_sum, _ = sub_steps(sub_step, init)
-            pl.when(wg == 0)(schedule)
-
-            seen = row_sum > 0.0
-            l_safe = jnp.where(seen, row_sum, 1.0)
-            norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
-            acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
-            lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
-            _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
+            load_q(None if persist is None else persist.at(0, order_ref))
+            _items(persist, order_ref, item, base0)
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(_REGS["fwd"][1], action="decrease")
-            kvh = lax.div(heads[0], jnp.int32(groups))
-            stream = functools.partial(_stream_kv, b, kvh, smem=(k_smem, v_smem), loaded=(k_bar, v_bar),
-                                       free=(k_free, v_free), drain=False)
 
-            def sub_step(j, carry):
-                (base,) = carry
-                span = _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row)[4]
-                if ring is None:
-                    stream(span, bk, stages, (k_ref, v_ref), base=base)
-                else:
-                    @pl.when(j == ring.local)
-                    def _():
+            def item(n, where, base):
+                b, _, heads, _, _ = cta(where)
+                kvh = lax.div(heads[0], jnp.int32(groups))
+                stream = functools.partial(_stream_kv, b, kvh, smem=(k_smem, v_smem), loaded=(k_bar, v_bar),
+                                           free=(k_free, v_free), drain=False)
+
+                def sub_step(j, carry):
+                    (base,) = carry
+                    span = cta(where, j)[4]
+                    if ring is None:
                         stream(span, bk, stages, (k_ref, v_ref), base=base)
+                    else:
+                        @pl.when(j == ring.local)
+                        def _():
+                            stream(span, bk, stages, (k_ref, v_ref), base=base)
 
-                    @pl.when((j != ring.local) & (span.steps > 0))
-                    def _():
-                        slot = ring.slot(j)
-                        # every copy CTA of the source signals once its stores have landed
-                        pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
-                        stream(span, bk, stages, (k_recv.at[slot], v_recv.at[slot]), base=base)
-                return (base + span.steps,)
+                        @pl.when((j != ring.local) & (span.steps > 0))
+                        def _():
+                            slot = ring.slot(j)
+                            # every copy CTA of the source signals once its stores have landed
+                            pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
+                            stream(span, bk, stages, (k_recv.at[slot], v_recv.at[slot]), base=base)
+                    return (base + span.steps,)
 
-            _drain(sub_steps(sub_step, ())[0], stages, k_free, v_free)
+                return sub_steps(sub_step, (), base)[0]
+
+            _drain(_items(persist, order_ref, item, base0), stages, k_free, v_free)
 
     if ring is None:
         attention()
@@ -884,9 +910,34 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
         rows += static["ring"].copy_rows
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
-    outs = _launch(_fwd_kernel, args, out_type, scratch, grid=(grid_h, rows, b), rows="q", walk=walk, groups=g,
+    grid = (grid_h, rows, b)
+    if ring is None and config.persistent and _short_rows(opts, s, bk):
+        static["persist"] = _Persist(min(_sm_count(config), math.prod(grid)), grid)
+        grid = (static["persist"].ctas, 1, 1)
+        args.append(_unify_with(args, _persistent_order(tables[0][0] if walk.ranged else None, walk))[0])
+    outs = _launch(_fwd_kernel, args, out_type, scratch, grid=grid, rows="q", walk=walk, groups=g,
                    has_seg=has_seg, opts=opts, config=config, **static)
     return outs[0], outs[1]
+
+
+# a persistent forward lost 2% to the grid's launch at 32K causal (256 blocks; 1 H100, 2026-11-26), where the
+# grid's heads-last order keeps one KV head's blocks in L2; it gained 1-15% at 2K-16K and on windows
+def _short_rows(opts: AttentionOptions, s: int, bk: int, most: int = 128) -> bool:
+    """Whether no row tile can visit more than `most` blocks of `bk` keys of `s` (static: window and chunk)."""
+    reach_keys = s
+    if opts.window is not None:
+        reach_keys = min(reach_keys, opts.window[0] + opts.window[1] + ROWS)
+    if opts.chunk_size is not None:
+        reach_keys = min(reach_keys, opts.chunk_size + ROWS)
+    return -(-reach_keys // bk) + bool(opts.num_sink_tokens) <= most
+
+
+def _sm_count(config: MosaicGpuConfig) -> int:
+    """CTAs of a persistent launch: one per SM of the GPU (132 on H100 and H200 SXM), or a few in the
+    interpreter, so that CTAs there walk several items, unevenly."""
+    if config.interpret:
+        return 3
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def _make_ring(ring, steps: int, batch: int, row_axis: str) -> _Ring:
@@ -902,12 +953,65 @@ def _of_step(ring: _Ring | None, ref, j):
     return ref if ring is None or ref is None else ref.at[j]
 
 
-def _sub_steps(ring: _Ring | None, body, carry):
-    """carry = body(j, carry) over a kernel's sources; carry ends with the visits streamed before sub-step j.
-    One source starts from a Python 0 (Mosaic GPU cannot lower a constant array as a loop index)."""
+def _sub_steps(ring: _Ring | None, body, carry, base=0):
+    """carry = body(j, carry) over a kernel's sources; carry ends with the visits streamed before sub-step j
+    (from `base`: a persistent CTA's earlier work items). One source starts from a Python 0 (Mosaic GPU
+    cannot lower a constant array as a loop index)."""
     if ring is None or ring.steps == 1:
-        return body(0, (*carry, 0))
-    return lax.fori_loop(0, ring.steps, body, (*carry, jnp.int32(0)))
+        return body(0, (*carry, base))
+    return lax.fori_loop(0, ring.steps, body, (*carry, jnp.asarray(base, jnp.int32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Persist:
+    """A persistent launch: `ctas` CTAs (grid axis "h") walk the work items of a (heads, rows, batch) grid.
+
+    Items are ordered rows first, the rows by the visits they make, most first (`_persistent_order`, an
+    input), and dealt out in rounds that alternate direction (CTA c takes item c of round 0, item
+    ctas - 1 - c of round 1, ...), so every CTA gets heavy and light tiles in turn. Each CTA's producer
+    streams the next item's blocks while its consumers finish the last, so short items (windows, chunks,
+    short sequences) do not each pay a pipeline fill and an epilogue alone."""
+
+    ctas: int
+    grid: tuple[int, int, int]
+
+    def _slot(self, r):
+        c = lax.axis_index("h")
+        return jnp.where(lax.rem(r, jnp.int32(2)) == 0, c, jnp.int32(self.ctas - 1) - c)
+
+    def count(self):
+        """Work items of this CTA."""
+        full, rest = divmod(self.grid[0] * self.grid[1] * self.grid[2], self.ctas)
+        return jnp.int32(full) + (self._slot(jnp.int32(full)) < rest).astype(jnp.int32)
+
+    def at(self, i, order_ref):
+        """(batch, head, row) of this CTA's item i; `order_ref` holds the grid rows in visiting order."""
+        heads, _, batch = self.grid
+        w = i * self.ctas + self._slot(i)
+        row, rest = lax.div(w, jnp.int32(heads * batch)), lax.rem(w, jnp.int32(heads * batch))
+        return lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch)), order_ref[row]
+
+
+def _items(persist: _Persist | None, order_ref, body, carry):
+    """carry = body(i, where, carry) over this CTA's work items (`_Persist`), or once at its grid position."""
+    if persist is None:
+        return body(0, None, carry)
+    return lax.fori_loop(0, persist.count(), lambda i, c: body(i, persist.at(i, order_ref), c), carry)
+
+
+def _persistent_order(rng, walk: _Walk):
+    """int32 [n_ctas]: the grid rows of a persistent launch, the most visits first (ties in grid order), from
+    the visit table `rng` (None: every row visits every block) summed over its batch rows."""
+    if rng is None:
+        return jnp.arange(walk.n_ctas, dtype=jnp.int32)
+    rng = rng.sum(axis=0)  # [tiles, 4 or 6]
+    steps = jnp.maximum(rng[:, -1] - rng[:, -4], 0)
+    if walk.prefix:
+        steps = steps + jnp.maximum(rng[:, 1] - rng[:, 0], 0)
+    cta = jnp.arange(walk.n_ctas)
+    tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
+    work = jnp.maximum(steps[tiles[0]], steps[tiles[1]])
+    return jnp.argsort(-work, stable=True).astype(jnp.int32)
 
 
 def _per_source(xs, fused: bool):
