@@ -374,7 +374,8 @@ def test_calibrate_from_results_cli(tmp_path, capsys):
     assert main(["calibrate", "--from-results", *files, "--out", str(out)]) == 0
     assert "merged into" in capsys.readouterr().out
     rates = costs.from_document(json.loads(out.read_text())).rates
-    assert rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"] == pytest.approx(668, rel=0.05)  # causal line
+    fwd = rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"]  # the causal line's marginal rate, fitted to 8K/32K
+    assert 580 < fwd < 700  # the 32K causal forward measured 607 and 649 TFLOP/s (2026-11-26, -25)
 
 
 def test_chip_model_is_kept_where_a_chip_is_named():
