@@ -256,13 +256,18 @@ def test_sorted_ulysses_is_priced_on_visible_pairs_and_its_copy():
 
 def test_a_fused_ring_pays_its_copies_and_no_step_costs():
     """The fused ring (MosaicGpuConfig(fused=True), the heuristic's pick on GPUs) is one pass per direction: its
-    kernel's time, no chip ring-step cost, and its copies whole (K/V forward; K/V and float32 dK/dV backward)."""
+    kernel's time with one launch's overhead, no chip ring-step cost, and its copies whole (K/V forward; K/V and
+    float32 dK/dV backward)."""
     calibration, impl = costs.load(H100), "pallas_mosaic_gpu"
     base = _problem(layout="zigzag", axis_size=2)  # 8K tokens per GPU, 32 / 8 heads, bf16
     ring = spread.bind("ring", "sp", {"sp": 2})
     (fused,), (step,) = (predict.strategy_costs(base, [ring], calibration, implementation=impl, fused=f)
                          for f in (True, False))
-    kernel = costs.predict(calibration, impl, ring.problem(base))
+    kernel = costs.predict(calibration, impl, ring.problem(base), launches=1)
+    per_step = costs.predict(calibration, impl, ring.problem(base))
+    line = calibration.rates_for(impl, "bfloat16").line(False)
+    assert per_step.fwd_s - kernel.fwd_s == pytest.approx(line.overhead_s["fwd"])  # 2 steps, 1 launch
+    assert per_step.fwd_bwd_s - kernel.fwd_bwd_s == pytest.approx(line.overhead_s["fwd_bwd"])
     kv = 8192 * 8 * 256 * 2  # one shard's K and V
     shift = plan.CHIPS["h100"].collective("ppermute")
     assert fused.fwd_s == pytest.approx(kernel.fwd_s + shift.seconds(kv))

@@ -312,8 +312,11 @@ class Prediction:
             f" ({self.note})" if self.note else "")
 
 
-def predict(calibration: Calibration | None, implementation: str, problem: Problem) -> Prediction | None:
-    """`implementation`'s predicted time on `problem`, or None where the calibration has no rates for it."""
+def predict(calibration: Calibration | None, implementation: str, problem: Problem,
+            launches: int | None = None) -> Prediction | None:
+    """`implementation`'s predicted time on `problem`, or None where the calibration has no rates for it.
+    `launches`: kernel launches that pay the per-call overhead (None: one per ring step; a fused ring's one
+    kernel per pass walks every step in one launch)."""
     if calibration is None:
         return None
     rates = calibration.rates_for(implementation, problem.dtype, problem.precision)
@@ -329,8 +332,9 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     # average matmul width)
     dim = (problem.head_dim + problem.v_head_dim) / 2
     rows = n * row_units(problem)
-    fwd = rates.seconds("fwd", flops, n, dim, feats, causal, rows)
-    fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, n, dim, feats, causal, rows)
+    paid = n if launches is None else launches
+    fwd = rates.seconds("fwd", flops, paid, dim, feats, causal, rows)
+    fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, paid, dim, feats, causal, rows)
     notes = []
     if rates.lent(dim, feats):
         notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))

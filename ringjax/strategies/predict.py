@@ -55,13 +55,14 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
     for strategy in strategies:
         problem = strategy.problem(base)
         reg, impl = registry.choose(op, implementation, problem)
-        kernel = costs.predict(calibration, reg.name, problem)
-        if kernel is None:
-            return None
         # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels; whether the heuristic's
         # does depends on the devices themselves: a device kind this host lacks is priced as the step ring
         in_kernel = strategy.name == "ring" and (fused if fused is not None else not registry.described(problem)
                                                  and bool(getattr(impl.default_config(problem), "fused", False)))
+        # a fused pass is one launch over every step: the per-call overhead once, not once per step
+        kernel = costs.predict(calibration, reg.name, problem, launches=1 if in_kernel else None)
+        if kernel is None:
+            return None
         notes = [n for n in (f"runs {reg.name}" + (" (fused ring)" if in_kernel else ""), kernel.note) if n]
         fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes, in_kernel)
         sort = _token_sort_s(strategy, base, calibration, notes)
