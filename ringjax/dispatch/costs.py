@@ -398,6 +398,14 @@ def _fit_kernel_line(points: list[tuple[int, float, float, float]]) -> tuple[flo
     return overhead, rate, 0.0
 
 
+def _fit_rate(points: list[tuple[int, float, float, float]], overhead: float, row_s: float) -> float:
+    """FLOP/s of time = overhead + rows * row_s + flops / rate with the fixed terms given, least squares on the
+    relative error, from (length, flops, rows, seconds) points."""
+    _, f, r, t = np.array(points, dtype=float).T
+    work = np.maximum(t - overhead - r * row_s, 1e-9 * t)  # what the FLOPs take
+    return float(np.sum((f / t) ** 2) / np.sum(f * work / t ** 2))
+
+
 def _row_units(row: Mapping[str, Any]) -> float:
     return row_units(problem_of(row))
 
@@ -422,7 +430,7 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
         base = [(row, flops) for row, flops, f, d, c in measured if len(f) == fewest and d == ref_dim and c == causal]
         if not base:
             continue
-        tflops, overhead, per_row = {}, {}, {}
+        tflops, overhead, per_row, fitted = {}, {}, {}, {}
         for mode, scale in (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR)):
             points = [(row["seq"], flops * scale, _row_units(row), row[f"{mode}_ms"] * 1e-3) for row, flops in base
                       if row.get(f"{mode}_ms")]
@@ -431,6 +439,14 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
                           for row, flops in base]
             overhead[mode], rate, per_row[mode] = _fit_kernel_line(points)
             tflops[mode] = rate / 1e12
+            fitted[mode] = points
+        if overhead["fwd"] > overhead["fwd_bwd"] or per_row["fwd"] > per_row["fwd_bwd"]:
+            # a forward+backward runs the forward, so its fixed costs are at least the forward's; lines fitted
+            # to two lengths can say otherwise (XLA on one H100: 3.0 ms forward, 1.2 forward+backward, which
+            # priced small calls' forwards above their forward+backward): the forward's take the backward's
+            overhead["fwd"], per_row["fwd"] = min(overhead["fwd"], overhead["fwd_bwd"]), min(per_row["fwd"],
+                                                                                                per_row["fwd_bwd"])
+            tflops["fwd"] = _fit_rate(fitted["fwd"], overhead["fwd"], per_row["fwd"]) / 1e12
         lines[causal] = Line(tflops, overhead, per_row)
     fallback = lines.get(True) or lines[False]
 
