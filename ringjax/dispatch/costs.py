@@ -11,7 +11,8 @@ module fits rates to them and predicts:
   (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + row_s * rows + work / rate (rows: batch x
   queries x heads x head_dim; row_s only where lengths spanning 8x were measured, then fitted on the
-  relative errors), fitted to the plain rows, causal and not causal apart, the rate scaled by the measured
+  relative errors; the forward's fixed terms capped at the forward+backward's), fitted to the plain rows, causal
+  and not causal apart; calls: one per ring step (a fused ring's pass is one launch), the rate scaled by the measured
   head_dim nearest to the problem's and slowed by each feature's measured factor; a head_dim or
   feature one implementation was not measured at borrows the geometric mean of the factors measured
   for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing),
