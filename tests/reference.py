@@ -46,12 +46,13 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None, chunk_si
     return m
 
 
-def _fmix32(x):
+def _fmix32(x, last: bool = True):
+    """murmur3's finaliser; `last=False` leaves out its final xor-shift (the per-pair mix of the dropout hash)."""
     x = x ^ (x >> np.uint32(16))
     x = x * np.uint32(0x85EBCA6B)
     x = x ^ (x >> np.uint32(13))
     x = x * np.uint32(0xC2B2AE35)
-    return x ^ (x >> np.uint32(16))
+    return x ^ (x >> np.uint32(16)) if last else x
 
 
 def dropout_keep_reference(seed, rate, batch, heads, seq):
@@ -62,7 +63,7 @@ def dropout_keep_reference(seed, rate, batch, heads, seq):
         j = np.arange(seq, dtype=np.uint32)[None, :]
         bh = np.arange(batch * heads, dtype=np.uint32).reshape(batch, heads, 1, 1)
         key = _fmix32(_fmix32(bh * np.uint32(0xC2B2AE3D) + seed[0]) ^ seed[1])
-        x = _fmix32((i * np.uint32(0x9E3779B1)) ^ (j * np.uint32(0x85EBCA77) + key))
+        x = _fmix32((i * np.uint32(0x9E3779B1)) ^ (j * np.uint32(0x85EBCA77) + key), last=False)
     return x >= np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
 
 

@@ -133,6 +133,18 @@ def test_dropout_keep_has_no_visible_structure(rate):
         assert abs((a == b).mean() - independent) < 0.003, name
 
 
+def test_dropout_mix_decides_as_murmur3_but_on_ties():
+    """The per-pair mix leaves out the finaliser's last xor-shift: the same top 16 bits, so against any threshold
+    it keeps what the whole finaliser keeps but where those bits tie the threshold's (about 1 in 65536)."""
+    x = jnp.asarray(np.random.default_rng(3).integers(0, 2**32, 1 << 20, dtype=np.uint32))
+    high, whole = np.asarray(modifiers._fmix32_high(x)), np.asarray(modifiers._fmix32(x))
+    np.testing.assert_array_equal(high >> 16, whole >> 16)
+    for rate in (0.1, 0.37, 0.9):
+        t = np.uint32(modifiers.dropout_threshold(rate))
+        differ = (high >= t) != (whole >= t)
+        assert differ.sum() <= np.sum((high >> 16) == (t >> 16)) and differ.mean() < 1e-4
+
+
 def test_dropout_batch_head_counts_global_heads():
     b, h = np.arange(2).reshape(2, 1), np.arange(4).reshape(1, 4)
     np.testing.assert_array_equal(modifiers.dropout_batch_head(None, b, h, 4), b * 4 + h)
