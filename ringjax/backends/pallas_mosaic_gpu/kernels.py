@@ -923,13 +923,10 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
 # a persistent forward lost 2% to the grid's launch at 32K causal (256 blocks; 1 H100, 2026-11-26), where the
 # grid's heads-last order keeps one KV head's blocks in L2; it gained 1-15% at 2K-16K and on windows
 def _short_rows(opts: AttentionOptions, s: int, bk: int, most: int = 128) -> bool:
-    """Whether no row tile can visit more than `most` blocks of `bk` keys of `s` (static: window and chunk)."""
-    reach_keys = s
-    if opts.window is not None:
-        reach_keys = min(reach_keys, opts.window[0] + opts.window[1] + ROWS)
-    if opts.chunk_size is not None:
-        reach_keys = min(reach_keys, opts.chunk_size + ROWS)
-    return -(-reach_keys // bk) + bool(opts.num_sink_tokens) <= most
+    """Whether no row tile can visit more than `most` blocks of `bk` keys of `s` (static: the mask's reach)."""
+    span = reach(opts)
+    keys = s if span is None else min(s, span[0] + span[1] + 1 + ROWS)
+    return -(-keys // bk) + bool(opts.num_sink_tokens) <= most
 
 
 def _sm_count(config: MosaicGpuConfig) -> int:
