@@ -394,7 +394,7 @@ def test_calibrate_from_results_cli(tmp_path, capsys):
     assert "merged into" in capsys.readouterr().out
     rates = costs.from_document(json.loads(out.read_text())).rates
     fwd = rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"]  # the causal line's marginal rate, fitted to 8K/32K
-    assert 580 < fwd < 700  # the 32K causal forward measured 607 and 649 TFLOP/s (2026-11-26, -25)
+    assert fwd == pytest.approx(614, rel=0.05)  # the 32K causal forward measured 607 TFLOP/s (1 H100, 2026-11-26)
 
 
 def test_chip_model_is_kept_where_a_chip_is_named():
