@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
 import sys
@@ -207,8 +208,29 @@ def timed_other(library: str, causal: bool, inputs, flops: float, args, **option
 # ----------------------------------------------------------------------------- suites
 
 
+def config_overrides(text: str) -> dict:
+    """"persistent=false,num_stages=3" -> {"persistent": False, "num_stages": 3}: each value read as JSON
+    (true/false in any case), else kept as a string."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+        value = value.strip()
+        try:
+            out[key.strip()] = json.loads(value.lower() if value.lower() in ("true", "false") else value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def variant_name(overrides: dict) -> str:
+    return ",".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "default"
+
+
 def run_step(args, rec: Recorder):
-    """One device: ringjax, cuDNN and tokamax side by side, per T and causal."""
+    """One device: ringjax, cuDNN and tokamax side by side, per T and causal. With --variant: ringjax's
+    config as it would run and with each variant's fields replaced, in --rounds interleaved rounds."""
     shape = args.shape
     for t, causal in progress([(t, c) for t in args.seqs for c in (True, False)], "step"):
         inputs = random_inputs(shape, t)
@@ -218,15 +240,52 @@ def run_step(args, rec: Recorder):
             case = {"library": library, "T": t, "causal": causal, **dataclasses.asdict(shape)}
             if library != "ringjax":
                 rec.add(case, **timed_other(library, causal, inputs, flops, args))
-                continue
-            try:
-                timing, out = timed(ringjax_attention(args.implementation, causal), inputs, flops, args)
-            except Exception as e:  # noqa: BLE001
-                rec.add(case, error=failure(e))
-                continue
-            check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
-            rec.add(case, **timing, **check)
+            elif args.variant:
+                step_variants(args, rec, case, inputs, flops, (ref_name, ref))
+            else:
+                try:
+                    timing, out = timed(ringjax_attention(args.implementation, causal), inputs, flops, args)
+                except Exception as e:  # noqa: BLE001
+                    rec.add(case, error=failure(e))
+                    continue
+                check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
+                rec.add(case, **timing, **check)
         del inputs, ref
+
+
+def step_variants(args, rec: Recorder, case: dict, inputs, flops: float, reference_out):
+    """A/B of configs in one process: the config `--implementation` runs by itself ("default"), then the
+    same with each `--variant`'s fields replaced; the list repeated `--rounds` times, so that drift in
+    the GPU's clocks shows as a difference between rounds, not between variants. Each variant's output
+    (every round) and gradients (the first) are compared with the default's (0.0: bitwise equal)."""
+    ref_name, ref = reference_out
+    base, first, first_grads, grads = None, None, None, None
+    for round_ in range(args.rounds):
+        for overrides in [{}] + args.variant:
+            row_case = {**case, "variant": variant_name(overrides), "round": round_}
+            try:
+                config = dataclasses.replace(base, **overrides) if overrides else base
+                reports: list = []
+                attn = ringjax_attention(args.implementation, case["causal"], config=config)
+                timing, out = timed(attn, inputs, flops, args, reports=reports)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+                rec.add(row_case, error=failure(e))
+                continue
+            if base is None:
+                base = reports[-1].config if reports else None
+                if base is None:
+                    raise SystemExit(f"--variant: {args.implementation} logged no config to vary")
+            check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
+            # gradients once per config (round 0): one more compile, no timing
+            grads = jax.block_until_ready(attention_fns(attn)[1](*inputs)) if round_ == 0 else None
+            if first is None:
+                first, first_grads = out, grads
+            elif overrides:
+                check["vs_default"] = errors(out, first)
+                if grads is not None and first_grads is not None:
+                    check["grads_vs_default"] = {n: errors(a, b)["rel_err"]
+                                                 for n, a, b in zip(("dq", "dk", "dv"), grads, first_grads)}
+            rec.add(row_case, **timing, **check, config=ringjax.config_to_json(config or base))
 
 
 def run_ring(args, rec: Recorder):
@@ -680,7 +739,8 @@ def table_step(rows):
             continue
         base = cudnn.get((c["T"], c["causal"]), {})
         vs = [tflops(r, m) / tflops(base, m) if tflops(r, m) and tflops(base, m) else None for m in ("fwd", "fwd_bwd")]
-        body.append([kilo(c["T"]), "yes" if c["causal"] else "no", c["library"], r.get("implementation", "—"),
+        library = c["library"] + (f" [{c['variant']}]" if "variant" in c else "")
+        body.append([kilo(c["T"]), "yes" if c["causal"] else "no", library, r.get("implementation", "—"),
                      r.get("fwd_tflops"), r.get("fwd_bwd_tflops"), r.get("bwd_tflops"), r.get("fwd_ms"),
                      r.get("fwd_bwd_ms"), vs[0], vs[1], r.get("rel_err")])
     return markdown_table(["T", "causal", "library", "implementation", "fwd TFLOP/s", "fwd+bwd TFLOP/s",
@@ -1092,6 +1152,14 @@ def parser() -> argparse.ArgumentParser:
         if "tokens_per_device" in suite.defaults:
             s.add_argument("--tokens-per-device", type=ints,
                            help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
+        if name == "step":
+            s.add_argument("--variant", type=config_overrides, action="append", default=[],
+                           metavar="KEY=VALUE[,...]",
+                           help="A/B configs: also time --implementation's config with these fields replaced "
+                                "(repeatable; e.g. --implementation pallas_mosaic_gpu --variant persistent=false); "
+                                "rows carry 'variant' and 'round', and are meant for --out benchmarks/results/checks")
+            s.add_argument("--rounds", type=int, default=2,
+                           help="with --variant: interleaved rounds of the default and every variant (default 2)")
         if name == "ring":
             s.add_argument("--fused", action="store_true",
                            help="also the fused ring (Mosaic GPU, MosaicGpuConfig(fused=True)): the forward and the "
@@ -1147,6 +1215,8 @@ def resolve(args) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+    if getattr(args, "variant", None) and args.implementation == "auto":
+        raise SystemExit("--variant needs --implementation naming the implementation whose config it varies")
     available = jax.local_device_count()
     args.devices = 1 if suite.devices == "one" else (args.devices or available)
     if args.devices > available:

@@ -198,6 +198,35 @@ def test_coverage_candidates_judge_auto(tmp_path):
     assert "| auto / fastest | predicted err |" in child.stdout
 
 
+def test_step_variants_time_configs_side_by_side(tmp_path):
+    """--variant: the implementation's own config and each variant of it, in interleaved rounds; the rows say
+    which config ran, compare the variant's output with the default's, and stay out of calibrations."""
+    from ringjax.dispatch import calibrate
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    child = subprocess.run([sys.executable, str(BENCH), "step", "--tiny", "--implementation", "xla", "--variant",
+                            "block_q=64,block_kv=32", "--rounds", "2", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = [r for r in rows_of(tmp_path, "step") if r["case"]["library"] == "ringjax"]
+    got = [(r["case"]["causal"], r["case"]["variant"], r["case"]["round"]) for r in rows]
+    assert got == [(c, v, n) for c in (True, False) for n in (0, 1) for v in ("default", "block_q=64,block_kv=32")]
+    for r in rows:
+        varied = r["case"]["variant"] != "default"
+        assert r["config"] == ({"block_q": 64, "block_kv": 32} if varied else {"block_q": 512, "block_kv": 512})
+        assert r["rel_err"] < 2e-2 and ("vs_default" in r) == varied
+        assert ("grads_vs_default" in r) == (varied and r["case"]["round"] == 0)
+        if "grads_vs_default" in r:  # other blocks sum in another order: close, not equal
+            assert set(r["grads_vs_default"]) == {"dq", "dk", "dv"}
+            assert all(0 <= x < 2e-2 for x in r["grads_vs_default"].values())
+        assert calibrate.kernel_row(r, "x") is None
+    assert "ringjax [block_q=64,block_kv=32]" in child.stdout
+    bad = subprocess.run([sys.executable, str(BENCH), "step", "--tiny", "--variant", "block_q=64", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode != 0 and "--variant needs --implementation" in bad.stderr
+
+
 def test_report_writes_readme_tables_and_plots(results, tmp_path):
     out, runs = results
     readme = tmp_path / "README.md"

@@ -40,9 +40,11 @@ def row_key(row: Mapping[str, Any]) -> str:
 
 def kernel_row(result: Mapping[str, Any], source: str) -> dict[str, Any] | None:
     """A calibration row from one line of a benchmark results file, or None if it is no one-device
-    ringjax measurement (other libraries, multi-device suites, failures, unknown coverage cases)."""
+    ringjax measurement (other libraries, multi-device suites, failures, unknown coverage cases, config A/B rows)."""
     case = result.get("case", {})
     if result.get("device_count", 1) != 1 or "fwd_ms" not in result or result.get("error"):
+        return None
+    if "variant" in case:  # an A/B of configs (`bench.py step --variant`), not what the library runs by itself
         return None
     suite = result.get("suite")
     features: dict[str, Any]
