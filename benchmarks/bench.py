@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import ringjax
 from ringjax.backends.xla import XlaCacheConfig
+from ringjax.dispatch.costs import MEASURED_DOCUMENTS
 from ringjax.strategies import spread
 
 from common import (
@@ -417,7 +418,8 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
     heads = shape.heads
     dims = (shape.head_dim // 2, shape.head_dim * 3 // 4, shape.head_dim * 3 // 2, shape.head_dim * 2)
     half, three_quarters, one_and_half, double = (dataclasses.replace(shape, head_dim=d) for d in dims)
-    segments = jnp.repeat(jnp.arange(4, dtype=jnp.int32), t // 4)[None].repeat(shape.batch, 0)  # 4 documents
+    docs = MEASURED_DOCUMENTS  # as many as calibrations read into rows with segments
+    segments = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), t // docs)[None].repeat(shape.batch, 0)
 
     def absent(what):
         return f"jax.nn.dot_product_attention has no {what}"

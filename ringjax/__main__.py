@@ -276,10 +276,12 @@ def _platform_of(device_kind: str) -> str:
 
 
 def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precision="default", device_kind=None,
-            platform=None, devices=1, strategy="ring", implementation="auto", op="ring_attention", **features) -> str:
+            platform=None, devices=1, strategy="ring", implementation="auto", op="ring_attention", documents=None,
+            **features) -> str:
     """What `ring_attention` would run for global q of `shape` (batch, seq, heads, head_dim) and v of head_dim
     `v_head_dim` (None: q's) with the sequence split over `devices` devices of `device_kind` (default: this
-    host's), and why; nothing is run."""
+    host's), and why; nothing is run. `documents`: every row packs that many documents of equal length
+    (segment ids on), priced by the blocks they skip."""
     import jax.numpy as jnp
 
     from ringjax.core import precision as precisions
@@ -290,6 +292,10 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
 
     check_keywords("explain", features, TUNABLE)
     batch, seq, heads, head_dim = shape
+    if documents is not None:
+        if not isinstance(documents, int) or isinstance(documents, bool) or not 1 <= documents <= seq:
+            raise ValueError(f"documents must be an int from 1 to seq ({seq}), got {documents!r}")
+        features["segments"] = True
     kv_heads = kv_heads or heads
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
@@ -307,7 +313,8 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
     base = registry.Problem(opts=opts, batch=batch, seq=seq // devices, heads=heads, kv_heads=kv_heads,
                             head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype, platform=platform,
                             device_kind=device_kind,
-                            precision=precisions.canonical(precision) if dtype == "float32" else precisions.DEFAULT)
+                            precision=precisions.canonical(precision) if dtype == "float32" else precisions.DEFAULT,
+                            documents=None if documents is None else costs.equal_documents(documents, seq))
     axis, sizes = ("sp", {"sp": devices}) if devices > 1 else (None, {})
     if strategy == "auto":
         strat, reason = strategy_auto.choice(base, axis, sizes, implementation=implementation, op=op,
@@ -342,7 +349,7 @@ def _cmd_explain(args) -> int:
     print(explain(shape=shape, kv_heads=args.kv_heads, v_head_dim=args.v_head_dim, dtype=args.dtype,
                   precision=args.precision,
                   device_kind=args.device_kind, platform=args.platform, devices=args.devices, strategy=args.strategy,
-                  implementation=args.implementation, op=args.op, **features))
+                  implementation=args.implementation, op=args.op, documents=args.documents, **features))
     return 0
 
 
@@ -465,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="ring", choices=("ring", "all_gather", "ulysses", "auto"))
     p.add_argument("--implementation", default="auto")
     p.add_argument("--op", default="ring_attention")
+    p.add_argument("--documents", type=_positive_int,
+                   help="packed sequences: every row holds this many documents of equal length (implies "
+                        "--segments); priced by the blocks they skip")
     _add_feature_flags(p)
     p.set_defaults(run=_cmd_explain)
 

@@ -9,6 +9,11 @@ import jax
 from jax.sharding import AbstractMesh, Mesh
 
 
+def is_traced(x) -> bool:
+    """Whether `x` is a tracer (its value known only when the traced call runs)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 def axis_size_or_none(axis_name: str) -> int | None:
     """Size of `axis_name` if it is bound in the current trace (e.g. inside shard_map)."""
     try:

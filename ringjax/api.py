@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, Int
 from ringjax import _compat
 from ringjax.core import precision
 from ringjax.core.masks import Extras
-from ringjax.dispatch import autotuning, calling, registry, report
+from ringjax.dispatch import autotuning, calling, costs, registry, report
 from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
 from ringjax.options import check_inputs, checked_keywords, make_options, option_inputs
 from ringjax.strategies import auto as strategy_auto
@@ -104,6 +104,8 @@ def ring_attention(
         dtype=str(q.dtype),
         platform=registry.current_platform(),
         precision=precision.current(q.dtype),  # jax's matmul precision now, while the call is traced
+        # ids known now (not traced) price what segments skip; inside shard_map a device holds only its shard
+        documents=costs.documents_of(segment_ids, layout, call.axis_size) if call.mode != "local" else None,
     )
     if strategy == "auto":
         strat, strategy_reason = strategy_auto.choice(base, call.axis_name, call.axis_sizes(),

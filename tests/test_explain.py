@@ -106,8 +106,6 @@ def test_predictions_reproduce_the_measurements(want, pattern, shipped):
     kept = {calibrate.row_key(r): r for r in calibrate.existing(kind, costs.path_for(kind, shipped=True))["kernels"]}
     errors = []
     for row in rows:
-        if "segments" in row["features"]:  # priced as if nothing were skipped: the ids decide
-            continue
         if kept[calibrate.row_key(row)] != row:  # re-measured since (e.g. a kernel that got faster)
             continue
         p = costs.problem_of(row)
@@ -115,7 +113,13 @@ def test_predictions_reproduce_the_measurements(want, pattern, shipped):
         errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
         if row["implementation"] == "pallas_mosaic_gpu" and not row["features"].keys() - {"causal"}:
             assert errors[-1] < 0.1, row  # the plain kernel at every measured shape
-        if row["implementation"] != "xla":  # xla was measured with features only: its line is theirs
+        if "segments" in row["features"]:
+            # priced on the pairs within its 4 documents (before: as if no block were skipped, +155% to +266%);
+            # one factor on the work cannot fit the H100's 8K and 32K rows together (8K +10%, 32K -28%): the line's
+            # per-row term, fitted on 1K-32K plain calls, prices 2K documents in an 8K call like 2K calls of their
+            # own, which run below a full GPU
+            assert errors[-1] < 0.3, row
+        elif row["implementation"] != "xla":  # xla was measured with features only: its line is theirs
             assert errors[-1] < 0.15, row  # the issue's bound, every kernel and feature
     assert np.median(errors) < 0.1
 
@@ -318,6 +322,100 @@ def test_strategy_auto_uses_the_calibration():
     assert strategy.name == "ulysses" and "predicted on 2 x NVIDIA H200" in reason
     contiguous = _problem(kind=H200, axis_size=2)  # causal imbalance: every device attends the whole sequence
     assert spread.decide(contiguous, "sp", {"sp": 2})[0].name == "ulysses"
+
+
+def _packed_ids(rng, batch, length):
+    """Segment ids of `batch` rows packed with documents of random lengths, padding (-1) at some rows' ends."""
+    rows = []
+    for _ in range(batch):
+        cuts = np.sort(rng.choice(np.arange(1, length), size=rng.integers(1, 6), replace=False))
+        ids = np.searchsorted(cuts, np.arange(length), side="right")
+        if rng.random() < 0.5:
+            ids[length - rng.integers(1, length // 4):] = -1
+        rows.append(ids)
+    return np.stack(rows).astype(np.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window, chunk, sinks", [(None, None, 0), ((5, 0), None, 3), ((7, 3), 24, 0),
+                                                  (None, 8, 20), ((9, 2), 8, 3)])
+@pytest.mark.parametrize("layout, n", [("contiguous", 1), ("contiguous", 4), ("zigzag", 2), ("striped", 4)])
+def test_documents_count_the_pairs_within_them(causal, window, chunk, sinks, layout, n):
+    """Problem.documents (read from concrete segment ids stored in a layout) price the pairs the mask shows
+    within each document: the busiest device's, averaged over the batch rows, as `masks.visible` counts them."""
+    from ringjax.core.ring import _segment_offsets
+
+    if causal and window is not None:
+        window = (window[0], 0)
+    length, batch = 64, 3
+    opts = AttentionOptions(causal=causal, window=window, chunk_size=chunk, num_sink_tokens=sinks, layout=layout,
+                            axis_size=n, has_segments=True)
+    natural = _packed_ids(np.random.default_rng(n * 100 + (chunk or 0) + sinks), batch, length)
+    storage = np.concatenate([natural[:, local_positions(layout, d, n, length // n, np)] for d in range(n)], axis=1)
+    documents = costs.documents_of(jnp.asarray(storage), layout, n)
+    assert len(documents) == batch and all(sum(map(abs, row)) == length for row in documents)
+    pos, seg = jnp.arange(length), jnp.asarray(natural)
+    segpos = _segment_offsets(seg)
+    mask = np.asarray(mask_visible(opts, pos[:, None], pos[None, :], seg[:, :, None], seg[:, None, :],
+                                   segpos[:, :, None], segpos[:, None, :]))
+    busiest = max(mask[:, np.asarray(local_positions(layout, d, n, length // n, np))].sum() for d in range(n))
+    assert costs.visible_pairs(opts, length // n, documents) == pytest.approx(busiest / batch)
+    problem = dataclasses.replace(_problem(), opts=opts, seq=length // n, documents=documents)
+    assert costs.forward_flops(problem) == pytest.approx(2 * 32 * 256 * busiest / batch)
+
+
+def test_documents_are_read_only_where_the_ids_are_known():
+    """Traced ids (inside jit) leave segments priced as if nothing were skipped, and say so; the documents
+    change no kernel (problems that differ only in them are equal)."""
+    ids = jnp.asarray([[0, 0, 0, 1, 1, -1, -1, -1]], jnp.int32)
+    assert costs.documents_of(ids, "contiguous", 1) == ((3, 2, -3),)
+    # zigzag over 2: storage holds positions 0, 1, 6, 7 | 2, 3, 4, 5, so the natural ids are 0 0 1 -1 -1 -1 0 1
+    assert costs.documents_of(ids, "zigzag", 2) == ((2, 1, -3, 1, 1),)
+    seen = []
+    jax.jit(lambda x: seen.append(costs.documents_of(x, "contiguous", 1)) or x)(ids)
+    assert seen == [None] and costs.documents_of(None, "contiguous", 1) is None
+    known = dataclasses.replace(_problem(seq=32768), opts=AttentionOptions(causal=True, has_segments=True),
+                                documents=costs.equal_documents(4, 32768))
+    unknown = dataclasses.replace(known, documents=None)
+    assert known == unknown and hash(known) == hash(unknown)
+    calibration = costs.load(H100)
+    fast, slow = (costs.predict(calibration, "pallas_mosaic_gpu", p) for p in (known, unknown))
+    assert fast.fwd_bwd_s < slow.fwd_bwd_s / 2 and "not known when traced" in slow.note and not fast.note
+
+
+def test_concrete_segment_ids_reach_the_log(caplog):
+    n = 4
+    mesh = jax.make_mesh((n,), ("sp",))
+    q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16 * n, 4, 16)), jnp.float32)
+    seg = jnp.asarray(np.repeat(np.arange(4), 16 * n // 4)[None].repeat(2, 0), jnp.int32)
+    with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
+        ringjax.ring_attention(q, q, q, causal=True, mesh=mesh, segment_ids=seg)
+        jax.jit(lambda q, s: ringjax.ring_attention(q, q, q, causal=True, mesh=mesh, segment_ids=s,
+                                                    chunk_size=8))(q, seg)
+    eager, traced = (r.getMessage() for r in caplog.records if r.name == "ringjax.implementation")
+    assert "segments (4 documents per row, from the ids)" in eager
+    assert "segments;" in traced and "from the ids" not in traced
+
+
+def test_explain_prices_packed_documents(capsys):
+    argv = ["explain", "--shape", "1,32768,32,128", "--kv-heads", "8", "--causal", "--device-kind", H100]
+    assert main(argv + ["--documents", "4"]) == 0
+    packed = capsys.readouterr().out
+    assert main(argv + ["--segments"]) == 0
+    unknown = capsys.readouterr().out
+    assert "segments (4 documents per row, from the ids)" in packed and "not known when traced" in unknown
+
+    def predicted(text):
+        line = next(x for x in text.splitlines() if x.startswith("  * "))
+        return float(line.split("predicted ")[1].split(" ms fwd, ")[1].split(" ms")[0])
+
+    # 4 causal documents hold a quarter of the causal pairs
+    assert predicted(packed) < predicted(unknown) / 2
+    with pytest.raises(SystemExit):
+        main(argv + ["--documents", "0"])
+    assert "--documents: must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"documents must be an int from 1 to seq \(64\), got 65"):
+        explain(shape=(1, 64, 4, 16), causal=True, documents=65)
 
 
 def test_explain_names_a_gpu_on_a_cpu_host():

@@ -41,6 +41,11 @@ class Problem:
     v_head_dim: int | None = None  # None: head_dim
     # queries per device when they are not `seq` (cache_attention: the t new tokens against `seq` cache slots)
     q_seq: int | None = None
+    # the packed documents of each batch row, as the lengths of its runs of equal segment ids in natural order
+    # (negative: a run of padding), where the ids were concrete when the call was traced
+    # (`dispatch.costs.documents_of`); None: not known. It prices a call (how many blocks segments skip) and
+    # changes no kernel: problems that differ only in it compare equal.
+    documents: tuple[tuple[int, ...], ...] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.v_head_dim is None:

@@ -152,7 +152,8 @@ def measure_kernel(implementation: str, *, seq: int, batch: int, heads: int, kv_
     k, v = (jnp.asarray(rng.standard_normal((batch, seq, kv_heads, head_dim)), dtype) for _ in range(2))
     kw = {name: tuple(v) if isinstance(v, list) else v for name, v in features.items() if TUNABLE[name].role == FEATURE}
     if features.get("segments"):
-        kw["segment_ids"] = jnp.asarray(np.arange(seq) * 4 // seq, jnp.int32)[None].repeat(batch, 0)
+        docs = costs.MEASURED_DOCUMENTS
+        kw["segment_ids"] = jnp.asarray(np.arange(seq) * docs // seq, jnp.int32)[None].repeat(batch, 0)
     if features.get("sinks"):
         kw["sinks"] = jnp.zeros((heads,), jnp.float32)
     if features.get("alibi"):

@@ -17,7 +17,9 @@ module fits rates to them and predicts:
   feature one implementation was not measured at borrows the geometric mean of the factors measured
   for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing),
   and one nobody measured is priced as plain; the prediction says which;
-- packed segments skip blocks by their ids, which a problem does not know: priced as no skip.
+- packed segments: the visible pairs counted within each document where the problem knows them
+  (`Problem.documents`: concrete segment ids when the call was traced, `explain --documents`, calibration
+  rows' equal documents), their measured factors on top; traced ids are priced as if no block were skipped.
 
 `python -m ringjax calibrate` measures and writes a file; `calibrate.from_results` builds one from
 `benchmarks/results/*.jsonl`.
@@ -44,8 +46,12 @@ FORMAT = "ringjax-calibration"
 SCHEMA = 1
 BACKWARD_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs (the benchmarks' convention)
 REFERENCE_HEAD_DIM = 128
-# data-dependent: how many blocks segments skip depends on the ids, which a problem does not carry
-_UNPRICED = frozenset({"segment_ids", "chunk_size_segments", "num_sink_tokens_segments", "all_gather", "ulysses"})
+# data-dependent: what segments skip depends on the ids, priced only where a problem knows its documents
+_SEGMENTS = frozenset({"segment_ids", "chunk_size_segments", "num_sink_tokens_segments"})
+_UNPRICED = frozenset({"all_gather", "ulysses"})
+# calibration rows with segments (`bench.py coverage`, `python -m ringjax calibrate`) pack this many documents
+# of equal length in every batch row
+MEASURED_DOCUMENTS = 4
 MODES = ("fwd", "fwd_bwd")
 
 
@@ -71,7 +77,7 @@ def _reach(opts, x: np.ndarray, length: int, of_keys: bool = False) -> tuple[np.
     """[lo, hi] of the positions in [0, length) that position x pairs with under the causal, window and chunk
     rules (no sinks, no segments): the keys query x sees, or with `of_keys` the queries that see key x."""
     lo = np.zeros_like(x)
-    hi = np.full_like(x, length - 1)
+    hi = np.zeros_like(x) + (length - 1)  # `length` may be one per position (`_packed_keys`)
     if opts.causal:
         lo, hi = (np.maximum(lo, x), hi) if of_keys else (lo, np.minimum(hi, x))
     if opts.window is not None:
@@ -94,18 +100,73 @@ def _visible_keys(opts, q: np.ndarray, length: int) -> np.ndarray:
     return count
 
 
+def _packed_keys(opts, runs: tuple[int, ...]) -> np.ndarray:
+    """Keys each natural position of one batch row packed as `runs` (`Problem.documents`) sees: the rules
+    within its own run (chunks and sink tokens restart at the run's first token); padding sees nothing.
+    Runs that share an id see each other too; counted per run, they are priced below their work."""
+    lengths = np.abs(np.asarray(runs, np.int64))
+    size = np.repeat(lengths, lengths)
+    offset = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.where(np.repeat(np.asarray(runs) > 0, lengths), _visible_keys(opts, offset, size), 0)
+
+
 @functools.lru_cache(maxsize=256)
-def visible_pairs(opts, seq: int) -> int:
-    """Visible (query, key) pairs of the busiest device: `seq` local queries against the whole axis."""
-    return max(_visible_by_shard(opts, seq))
+def visible_pairs(opts, seq: int, documents: tuple[tuple[int, ...], ...] | None = None) -> float:
+    """Visible (query, key) pairs of the busiest device: `seq` local queries against the whole axis; with
+    `documents` (`Problem.documents`) those within each document, averaged over its batch rows."""
+    return max(_visible_by_shard(opts, seq, documents))
 
 
-def _visible_by_shard(opts, seq: int) -> list[int]:
+def _visible_by_shard(opts, seq: int, documents=None) -> list[float]:
     from ringjax.layouts import local_positions
 
     n = opts.axis_size
-    return [int(_visible_keys(opts, local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64),
-                              seq * n).sum()) for shard in range(n)]
+    positions = [local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
+                 for shard in range(n)]
+    if documents is None:
+        return [int(_visible_keys(opts, pos, seq * n).sum()) for pos in positions]
+    keys = [_packed_keys(opts, row) for row in documents]
+    return [sum(int(k[pos].sum()) for k in keys) / len(keys) for pos in positions]
+
+
+def documents_of(segment_ids, layout: str, axis_size: int) -> tuple[tuple[int, ...], ...] | None:
+    """`Problem.documents` of global segment ids [batch, seq] stored in `layout` over `axis_size` shards, or
+    None where they are traced (their values are known only when the call runs) or partly in other processes."""
+    from ringjax import _compat
+    from ringjax.layouts import local_positions
+
+    if segment_ids is None or _compat.is_traced(segment_ids):
+        return None
+    if not getattr(segment_ids, "is_fully_addressable", True):  # other processes hold some of it
+        return None
+    ids = np.asarray(segment_ids)
+    batch, t = ids.shape
+    if axis_size > 1:  # storage order -> natural order
+        pos = np.concatenate([local_positions(layout, d, axis_size, t // axis_size, np) for d in range(axis_size)])
+        natural = np.empty_like(ids)
+        natural[:, pos] = ids
+        ids = natural
+    rows = []
+    for row in ids:
+        edges = np.concatenate([[0], np.flatnonzero(np.diff(row)) + 1, [t]])
+        rows.append(tuple(int(n) for n in np.diff(edges) * np.where(row[edges[:-1]] < 0, -1, 1)))
+    return tuple(rows)
+
+
+def equal_documents(count: int, length: int) -> tuple[tuple[int, ...], ...]:
+    """`Problem.documents` of rows of `length` tokens packed with `count` documents of equal length (the last
+    takes what does not divide), as the calibration rows with segments were measured."""
+    size = length // count
+    return ((size,) * (count - 1) + (length - size * (count - 1),),)
+
+
+def known_documents(problem: Problem) -> tuple[tuple[int, ...], ...] | None:
+    """The problem's documents where they price it: segments on, and runs that cover the whole sequence."""
+    docs = problem.documents
+    if docs is None or not problem.opts.has_segments or problem.q_seq is not None:
+        return None
+    length = problem.seq * problem.opts.axis_size
+    return docs if all(sum(map(abs, row)) == length for row in docs) else None
 
 
 def _hidden_in_walk(opts, rows: np.ndarray, cols: np.ndarray, length: int, of_keys: bool) -> int:
@@ -126,15 +187,18 @@ def _hidden_in_walk(opts, rows: np.ndarray, cols: np.ndarray, length: int, of_ke
 
 
 @functools.lru_cache(maxsize=256)
-def visited_pairs(opts, seq: int, of_keys: bool = False) -> int:
+def visited_pairs(opts, seq: int, of_keys: bool = False, documents=None) -> float:
     """(query, key) pairs the busiest device's kernels compute: the visible ones, and the hidden ones that
     each query tile (each key tile `of_keys`: the dK/dV walk) passes between its first and last visible
     block, as ringjax's GPU kernels walk [lo, hi) (`core/visits.py`). Storage order is ascending on every
     layout shard, so this is `visible_pairs` except with subshards: a hybrid's all-to-all over contiguous or
     zigzag, or Ulysses with `Strategy.sort_tokens` off (zigzag over 2 devices then holds chunks 0, 3, 1, 2: a
-    causal walk crosses the hidden chunk 3, a third more pairs)."""
+    causal walk crosses the hidden chunk 3, a third more pairs). With `documents`, the visible pairs within
+    them, and the subshards' hidden pairs in the same proportion."""
     if opts.subshards == 1:
-        return visible_pairs(opts, seq)
+        return visible_pairs(opts, seq, documents)
+    if documents is not None:
+        return visited_pairs(opts, seq, of_keys) * visible_pairs(opts, seq, documents) / visible_pairs(opts, seq)
     from ringjax.layouts import local_positions
 
     n = opts.axis_size
@@ -149,7 +213,7 @@ def visited_pairs(opts, seq: int, of_keys: bool = False) -> int:
 def forward_flops(problem: Problem) -> float:
     """Matmul FLOPs of the busiest device's forward: 2 * batch * heads * (head_dim + v_head_dim) per visible
     pair (QK^T contracts q/k's head_dim, PV produces v's)."""
-    return _pair_flops(problem) * visible_pairs(problem.opts, problem.seq)
+    return _pair_flops(problem) * visible_pairs(problem.opts, problem.seq, known_documents(problem))
 
 
 def _pair_flops(problem: Problem) -> float:
@@ -159,9 +223,10 @@ def _pair_flops(problem: Problem) -> float:
 def kernel_flops(problem: Problem) -> tuple[float, float]:
     """Matmul FLOPs the busiest device's kernels compute (forward, forward + backward) on the visited pairs;
     the backward (BACKWARD_FACTOR - 1 forwards) walks query tiles for dQ and key tiles for dK/dV: half each."""
-    opts, pair = problem.opts, _pair_flops(problem)
-    fwd = pair * visited_pairs(opts, problem.seq)
-    bwd = pair * (BACKWARD_FACTOR - 1) * (visited_pairs(opts, problem.seq) + visited_pairs(opts, problem.seq, True)) / 2
+    opts, pair, docs = problem.opts, _pair_flops(problem), known_documents(problem)
+    rows, cols = visited_pairs(opts, problem.seq, False, docs), visited_pairs(opts, problem.seq, True, docs)
+    fwd = pair * rows
+    bwd = pair * (BACKWARD_FACTOR - 1) * (rows + cols) / 2
     return fwd, fwd + bwd
 
 
@@ -190,9 +255,16 @@ def dtype_class(dtype: str, precision: str = precisions.DEFAULT) -> str:
     return f"float32:{precision}"
 
 
-def cost_features(opts) -> tuple[str, ...]:
-    """Feature-table names a call uses that may cost per visible pair (causal and segments excluded)."""
-    return tuple(f.name for f in FEATURES if f.used(opts) and f.name != "causal" and f.name not in _UNPRICED)
+def cost_features(opts, segments: bool = False) -> tuple[str, ...]:
+    """Feature-table names a call uses that may cost per visible pair: causal excluded, and segments unless
+    `segments` (their documents are known: `priced_features`)."""
+    return tuple(f.name for f in FEATURES if f.used(opts) and f.name != "causal" and f.name not in _UNPRICED
+                 and (segments or f.name not in _SEGMENTS))
+
+
+def priced_features(problem: Problem) -> tuple[str, ...]:
+    """`cost_features` of the problem, its segments' among them where its documents are known."""
+    return cost_features(problem.opts, known_documents(problem) is not None)
 
 
 # ---------------------------------------------------------------------------- rates
@@ -323,7 +395,7 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     rates = calibration.rates_for(implementation, problem.dtype, problem.precision)
     if rates is None:
         return None
-    (flops, flops_bwd), n, feats = kernel_flops(problem), calls(problem), cost_features(problem.opts)
+    (flops, flops_bwd), n, feats = kernel_flops(problem), calls(problem), priced_features(problem)
     # the causal line where one causal kernel does a triangle of work; a ring's steps, and an all-gather's
     # local queries against every key, are mostly whole blocks (2 H100, 2026-11-25: the all_gather rows at 8K
     # and 32K tokens per GPU within 2% on the plain line, 8K 7% high on the causal one,
@@ -341,8 +413,8 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
         notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))
     if rates.unmeasured(feats):
         notes.append("unmeasured, priced as plain: " + ", ".join(rates.unmeasured(feats)))
-    if problem.opts.has_segments:
-        notes.append("segments priced as if no block were skipped")
+    if problem.opts.has_segments and known_documents(problem) is None:
+        notes.append("segment ids not known when traced: priced as if no block were skipped")
     return Prediction(implementation, fwd, fwd_bwd, "; ".join(notes))
 
 
@@ -364,7 +436,8 @@ def problem_of(row: Mapping[str, Any], platform: str = "gpu", device_kind: str =
     return Problem(opts=opts, batch=row["batch"], seq=row["seq"], heads=row["heads"], kv_heads=row["kv_heads"],
                    head_dim=row["head_dim"], dtype=row["dtype"], platform=platform, device_kind=device_kind,
                    precision=precisions.canonical(row.get("precision", "default")) if row["dtype"] == "float32"
-                   else precisions.DEFAULT)
+                   else precisions.DEFAULT,
+                   documents=equal_documents(MEASURED_DOCUMENTS, row["seq"]) if opts.has_segments else None)
 
 
 def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -416,10 +489,9 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     measured = []  # (row, forward FLOPs, priced features, head_dim, causal)
     for row in rows:
         p = problem_of(row)
-        if not p.opts.has_segments:  # what segments skip depends on their ids: nothing to fit
-            measured.append((row, forward_flops(p), frozenset(cost_features(p.opts)), p.head_dim, p.opts.causal))
+        measured.append((row, forward_flops(p), frozenset(priced_features(p)), p.head_dim, p.opts.causal))
     if not measured:
-        raise ValueError("no measurement without segment_ids to fit rates to")
+        raise ValueError("no measurement to fit rates to")
     fewest = min(len(m[2]) for m in measured)
     dims = [m[3] for m in measured if len(m[2]) == fewest]
     ref_dim = REFERENCE_HEAD_DIM if REFERENCE_HEAD_DIM in dims else max(set(dims), key=dims.count)

@@ -38,7 +38,10 @@ class Report:
         precision = f" at matmul precision {p.precision!r}" if p.dtype == "float32" else ""
         masks = ", ".join((("causal",) if p.opts.causal else ()) + costs.cost_features(p.opts)) or "no mask"
         if p.opts.has_segments:
-            masks += ", segments"
+            docs = costs.known_documents(p)
+            masks += ", segments" + ("" if docs is None else
+                                     f" ({sum(n > 0 for row in docs for n in row) / len(docs):.3g} documents "
+                                     "per row, from the ids)")
         v_dim = "" if p.v_head_dim == p.head_dim else f" (v {p.v_head_dim})"
         deterministic = "; deterministic gradients (no fused backward)" if p.opts.deterministic else ""
         # subshards: each device's tokens are that many layout shards, concatenated (a hybrid's all-to-all)
