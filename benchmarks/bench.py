@@ -441,32 +441,17 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
 
 
 def visible_fraction(t: int, options: dict) -> float:
-    """Visible (query, key) pairs of a causal call with `options` over the causal pairs T(T+1)/2, counted
-    exactly with the library's mask rule in blocks of rows (one batch row)."""
-    from ringjax.core.masks import TokenInfo, visible
+    """Visible (query, key) pairs of a causal call with `options` over the causal pairs T(T+1)/2, as the cost
+    model counts them (`costs.visible_pairs`: exact, within each document of the first batch row)."""
+    from ringjax.dispatch import costs
     from ringjax.options import AttentionOptions, normalize_window
 
     seg = options.get("segment_ids")
     opts = AttentionOptions(causal=True, window=normalize_window(options.get("sliding_window"), True),
                             chunk_size=options.get("chunk_size"), num_sink_tokens=options.get("num_sink_tokens", 0),
                             has_segments=seg is not None)
-    pos = jnp.arange(t, dtype=jnp.int32)
-    seg = None if seg is None else seg[:1]
-    # offset of each token in its segment (sink tokens and chunks restart per document)
-    segpos = pos[None] if seg is None else pos[None] - jax.vmap(
-        lambda s: jnp.searchsorted(s, s, side="left").astype(jnp.int32))(seg)
-    keys = TokenInfo(pos, seg, segpos)
-    rows = min(t, 2048)
-
-    @jax.jit
-    def count(start):
-        q = jax.lax.dynamic_slice_in_dim
-        info = TokenInfo(q(pos, start, rows), None if seg is None else q(seg, start, rows, 1),
-                         q(segpos, start, rows, 1))
-        return visible(opts, info, keys).sum(dtype=jnp.int64 if jax.config.jax_enable_x64 else jnp.int32)
-
-    total = sum(int(count(start)) for start in range(0, t, rows))
-    return total / (t * (t + 1) / 2)
+    documents = None if seg is None else costs.documents_of(seg[:1], "contiguous", 1)
+    return costs.visible_pairs(opts, t, documents) / (t * (t + 1) / 2)
 
 
 def run_coverage(args, rec: Recorder):
