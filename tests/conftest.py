@@ -18,6 +18,18 @@ def _isolated_config_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Drop jax's compiled executables after each test module. Each keeps memory mappings of its machine code;
+    a whole run's (over a thousand tests on 8 simulated devices) reached the kernel's limit on mappings
+    (vm.max_map_count, 65530 by default) and the XLA CPU compiler crashed late in the run (jax 0.12, 2026-11-26:
+    SIGABRT and SIGSEGV in backend_compile, in different tests)."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "matmul_precision(name): jax's matmul precision a test runs under on GPUs "
                                        "(default: highest; None: jax's own setting, untouched)")
