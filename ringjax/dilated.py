@@ -30,7 +30,14 @@ from ringjax.dispatch import calling
 from ringjax.dispatch.calling import HEADS, LSE, SEQ, TOKENS
 from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention_many
-from ringjax.options import check_inputs, chunks_per_shard, keywords_of, make_options, option_inputs
+from ringjax.options import (
+    MAX_STATIC_INT,
+    check_inputs,
+    chunks_per_shard,
+    keywords_of,
+    make_options,
+    option_inputs,
+)
 
 
 def _int_tuple(value, name: str) -> tuple[int, ...]:
@@ -39,8 +46,8 @@ def _int_tuple(value, name: str) -> tuple[int, ...]:
     for x in items:
         if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
             raise TypeError(f"{name} must be a (sequence of) Python int, got {value!r}")
-        if x < 1:
-            raise ValueError(f"{name} must be positive, got {value!r}")
+        if not 1 <= x <= MAX_STATIC_INT:
+            raise ValueError(f"{name} must be positive and at most 2**30 (positions are int32), got {value!r}")
         out.append(int(x))
     if not out:
         raise ValueError(f"{name} must not be empty")

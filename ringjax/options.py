@@ -100,11 +100,18 @@ def sequence_chunks(layout: str, axis_size: int) -> int:
     return axis_size * chunks_per_shard(layout)
 
 
+# the largest static length (window side, chunk, sink tokens) a call takes: kernels add them to int32 positions
+MAX_STATIC_INT = 2**30
+
+
 def _static_number(value: Any, name: str, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a Python {kind.__name__} (static), got {type(value).__name__}")
     if kind is int and not float(value).is_integer():
         raise TypeError(f"{name} must be an integer, got {value}")
+    if kind is int and abs(value) > MAX_STATIC_INT:
+        raise ValueError(f"{name} must be at most 2**30 (kernels add it to int32 positions), "
+                         f"got {value}")
     return kind(value)
 
 
@@ -161,6 +168,8 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
                          f"v_head_dim] (k's batch, sequence and kv_heads; any v_head_dim), got {v.shape}")
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"q heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+    if head_dim < 1 or v.shape[3] < 1:
+        raise ValueError(f"head_dim must be positive, got q/k {head_dim} and v {v.shape[3]}")
     chunks = sequence_chunks(layout, axis_size)
     if local:
         if seq % chunks_per_shard(layout):
@@ -195,6 +204,26 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
         raise ValueError("dropout_rate > 0 needs dropout_rng (a jax.random key)")
     if dropout_rng is not None and not dropout_rate:
         raise ValueError("dropout_rng was given but dropout_rate is 0: pass dropout_rate > 0 or drop dropout_rng")
+    if dropout_rng is not None:
+        check_key(dropout_rng, "dropout_rng")
+
+
+def described(x) -> str:
+    """How an error names what it got: "int32 array" for arrays, else the type."""
+    dtype = getattr(x, "dtype", None)
+    return f"{dtype} array" if dtype is not None and hasattr(x, "shape") else type(x).__name__
+
+
+def check_key(key, name: str) -> None:
+    """TypeError naming `name` unless `key` is one jax.random key: a typed key (jax.random.key) or the raw
+    uint32[2] of jax.random.PRNGKey."""
+    dtype = getattr(key, "dtype", None)
+    typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    shape = getattr(key, "shape", None)
+    if not (typed and shape == () or not typed and dtype == jnp.uint32 and shape == (2,)):
+        what = f"{dtype}{list(shape)}" if dtype is not None and shape is not None else type(key).__name__
+        raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or jax.random.PRNGKey(seed)), "
+                        f"got {what}")
 
 
 # ---------------------------------------------------------------------------- the keyword set, declared once

@@ -134,6 +134,24 @@ BAD = [
     ("softmax_scale", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, softmax_scale=-1.0)),
     ("logits_soft_cap", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, logits_soft_cap=0.0)),
     ("implementation must be", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, implementation="x")),
+    # kernels add these to int32 positions: 2**31 - 1 wrapped around and ran a wrong mask without a word
+    ("sliding_window must be at most 2\\*\\*30", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, sliding_window=2**31 - 1)),
+    ("chunk_size must be at most 2\\*\\*30", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, chunk_size=2**31)),
+    ("num_sink_tokens must be at most", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, num_sink_tokens=2**40)),
+    ("head_dim must be positive", lambda q, k, v: ringjax.ring_attention(q[..., :0], k[..., :0], v[..., :0],
+                                                                         axis_name=None)),
+    ("head_dim must be positive, got q/k 8 and v 0", lambda q, k, v: ringjax.ring_attention(
+        q, k, v[..., :0], axis_name=None)),
+    ("dropout_rng must be one jax.random key.*got int", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, dropout_rate=0.1, dropout_rng=5)),
+    ("dropout_rng must be one jax.random key.*got float32\\[2\\]", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, dropout_rate=0.1, dropout_rng=jnp.zeros(2))),
+    ("dropout_rng must be one jax.random key", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0)))),
+    ("mesh must be a jax.sharding.Mesh", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name="sp", mesh="sp")),
 ]
 
 
@@ -153,6 +171,16 @@ def test_type_errors():
         ringjax.ring_attention([[1.0]], k, v, axis_name=None)
     with pytest.raises(TypeError, match="config"):
         ringjax.ring_attention(q, k, v, axis_name=None, config=object())
+
+
+def test_dropout_takes_either_kind_of_key():
+    """jax.random.key (typed) and jax.random.PRNGKey (raw uint32[2]) of one seed draw the same mask."""
+    q, k, v = _qkv()
+    typed, raw = (ringjax.ring_attention(q, k, v, axis_name=None, dropout_rate=0.5, dropout_rng=key)
+                  for key in (jax.random.key(3), jax.random.PRNGKey(3)))
+    np.testing.assert_array_equal(np.asarray(typed), np.asarray(raw))
+    other = ringjax.ring_attention(q, k, v, axis_name=None, dropout_rate=0.5, dropout_rng=jax.random.key(4))
+    assert not np.array_equal(np.asarray(typed), np.asarray(other))
 
 
 def test_errors_inside_shard_map_are_raised_while_tracing():

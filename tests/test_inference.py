@@ -276,6 +276,16 @@ def test_errors_name_the_argument():
         ringjax.cache_attention(q, cache, implementation="nope")
     with pytest.raises(ValueError, match="sinks must have shape"):
         ringjax.cache_attention(q, cache, sinks=jnp.ones(3))
+    with pytest.raises(TypeError, match="q must be a floating-point array, got int32 array"):
+        ringjax.cache_attention(q.astype(jnp.int32), cache)
+    with pytest.raises(TypeError, match="sinks must be a float array of shape \\[heads\\], got int32 array"):
+        ringjax.cache_attention(q, cache, sinks=jnp.ones(4, jnp.int32))
+    with pytest.raises(TypeError, match="k_new must be a floating-point array, got int32 array"):
+        cache.append(kv.astype(jnp.int32), kv)
+    with pytest.raises(TypeError, match="dtype must be a floating-point dtype, got 'foo'"):
+        ringjax.KVCache.create(1, 8, 2, 16, dtype="foo", mesh=mesh)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh, or None .*; got str"):
+        ringjax.KVCache.create(1, 8, 2, 16, mesh="sp", axis_name="sp")
 
 
 def test_partials_fully_masked_rows_are_zero_not_nan():

@@ -227,6 +227,10 @@ def test_layer_config_validation():
         MultiHeadAttention(16, 4, axis_name=None, key=key)(jnp.ones((1, 8, 12)))
     with pytest.raises(ValueError, match="sliding_window"):
         MultiHeadAttention(16, 4, sliding_window=-1, key=key)
+    with pytest.raises(TypeError, match="key must be one jax.random key .*got int"):
+        MultiHeadAttention(16, 4, key=0)
+    with pytest.raises(TypeError, match="param_dtype must be a floating-point dtype"):
+        MultiHeadAttention(16, 4, key=key, param_dtype=jnp.int32)
 
 
 def test_core_import_does_not_import_optional_packages():

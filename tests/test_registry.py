@@ -84,6 +84,8 @@ def test_list_implementations(fakes):
     registry.unregister("ring_attention", "fake_elsewhere")
     fakes.remove(next(r for r in fakes if r.name == "fake_elsewhere"))
     assert "fake_elsewhere" not in [i["name"] for i in ringjax.list_implementations()]
+    with pytest.raises(ValueError, match=r"op must be one of \['cache_attention', 'ring_attention'\], got 'rin'"):
+        ringjax.list_implementations("rin")
 
 
 def test_auto_skips_refusing_implementations(fakes):

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import AbstractMesh, Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringjax import _compat
@@ -84,11 +85,19 @@ def _entry(axes: tuple[str, ...]):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+def check_mesh(mesh) -> None:
+    """TypeError unless `mesh` is a mesh or None."""
+    if mesh is not None and not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, or None for the mesh set by jax.set_mesh; got "
+                        f"{type(mesh).__name__}")
+
+
 def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
     """Which mode a call with `axis_name` (and optional `mesh`) runs in here.
 
     `allow_pair`: axis_name may be a tuple of two names (the sequence split over both).
     """
+    check_mesh(mesh)
     if axis_name is None:
         if mesh is not None:
             raise ValueError("mesh= needs axis_name: name the mesh axis the sequence is sharded over")

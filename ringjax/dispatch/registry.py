@@ -195,6 +195,10 @@ def choose(op: str, implementation: str, problem: Problem) -> tuple[Registration
 
 def list_implementations(op: str = "ring_attention") -> list[dict[str, Any]]:
     """Registered implementations of `op`, highest priority first, and whether each runs here."""
+    _discover()
+    ops = sorted({o for o, _ in _REGISTRY})
+    if op not in ops:
+        raise ValueError(f"op must be one of {ops}, got {op!r}")
     here = current_platform()
     return [
         {

@@ -16,7 +16,7 @@ from ringjax.dispatch.calling import HEADS, LSE, ROWS, SEQ, TOKENS
 from ringjax.inference import spread
 from ringjax.inference.cache import LAYOUT, KVCache, check_counts, concrete
 from ringjax.merge import add_sinks
-from ringjax.options import checked_keywords, make_options, option_inputs
+from ringjax.options import checked_keywords, described, make_options, option_inputs
 
 OP = "cache_attention"
 _LOG = logging.getLogger("ringjax.implementation")  # what runs, once per compiled call
@@ -26,7 +26,7 @@ def _check_heads_array(x, name: str, heads: int) -> None:
     if x is None:
         return
     if not hasattr(x, "shape") or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must be a float array of shape [heads], got {type(x).__name__}")
+        raise TypeError(f"{name} must be a float array of shape [heads], got {described(x)}")
     if x.shape != (heads,):
         raise ValueError(f"{name} must have shape [heads] = ({heads},), got {x.shape}")
 
@@ -77,7 +77,7 @@ def cache_attention(
     call = cache.call()
     n = cache.axis_size
     if not hasattr(q, "shape") or not hasattr(q, "dtype") or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise TypeError(f"q must be a floating-point array, got {type(q).__name__}")
+        raise TypeError(f"q must be a floating-point array, got {described(q)}")
     if q.ndim != 4:
         raise ValueError(f"q must have shape [batch, t, heads, head_dim], got {q.shape}")
     if q.dtype != cache.dtype:

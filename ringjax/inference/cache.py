@@ -22,6 +22,7 @@ from ringjax import _compat
 from ringjax.dispatch import calling
 from ringjax.dispatch.calling import ROWS, SEQ, Call
 from ringjax.layouts import from_layout, local_positions
+from ringjax.options import described
 
 LAYOUT = "striped"
 
@@ -117,8 +118,13 @@ class KVCache:
         v_head_dim = head_dim if v_head_dim is None else _positive_int(v_head_dim, "v_head_dim")
         if axis_name is not None and not isinstance(axis_name, str):
             raise TypeError(f"axis_name must be a str or None, got {type(axis_name).__name__}")
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+        calling.check_mesh(mesh)
+        try:
+            floating = jnp.issubdtype(dtype, jnp.floating)
+        except TypeError:  # not a dtype at all (e.g. "foo")
+            floating = False
+        if not floating:
+            raise TypeError(f"dtype must be a floating-point dtype, got {dtype!r}")
         bound = None if axis_name is None else _compat.axis_size_or_none(axis_name)
         if mesh is None and bound is None and axis_name is not None:
             context = _compat.context_mesh()
@@ -232,7 +238,7 @@ class KVCache:
         for name, x, dim, dim_name in (("k_new", k_new, self.head_dim, "head_dim"),
                                        ("v_new", v_new, self.v_head_dim, "v_head_dim")):
             if not hasattr(x, "shape") or not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
-                raise TypeError(f"{name} must be a floating-point array, got {type(x).__name__}")
+                raise TypeError(f"{name} must be a floating-point array, got {described(x)}")
             if x.ndim != 4 or x.shape[0] != b or x.shape[2] != kvh or x.shape[3] != dim or x.shape[1] < 1:
                 raise ValueError(f"{name} must have shape [batch, t, kv_heads, {dim_name}] = ({b}, t, {kvh}, {dim}) "
                                  f"with t >= 1, got {x.shape}")

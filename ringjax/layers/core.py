@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 from ringjax.api import ring_attention
 from ringjax.inference import KVCache, cache_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
-from ringjax.options import KEYWORDS_BY_NAME, _static_number, make_options, option_inputs
+from ringjax.options import KEYWORDS_BY_NAME, _static_number, check_key, make_options, option_inputs
 from ringjax.strategies.spread import check_strategy
 
 
@@ -157,6 +157,10 @@ def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict
     `key` is a PRNG key, split once per projection, or a function giving a fresh key per
     projection (an `nnx.Rngs` stream).
     """
+    if not callable(key):
+        check_key(key, "key")
+    if not jnp.issubdtype(param_dtype, jnp.floating):
+        raise TypeError(f"param_dtype must be a floating-point dtype, got {param_dtype!r}")
     keys = [key() for _ in PROJECTIONS] if callable(key) else jax.random.split(key, len(PROJECTIONS))
     shapes = cfg.param_shapes()
     params = {name: init_param(name, k, shapes[name], param_dtype) for name, k in zip(PROJECTIONS, keys)}
