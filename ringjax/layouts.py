@@ -20,7 +20,7 @@ from ringjax.options import LAYOUTS, chunks_per_shard, sequence_chunks
 def _check(layout: str, axis_size: int, seq: int) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if not isinstance(axis_size, int) or axis_size < 1:
+    if isinstance(axis_size, bool) or not isinstance(axis_size, (int, np.integer)) or axis_size < 1:
         raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
     chunks = sequence_chunks(layout, axis_size)
     if seq % chunks:

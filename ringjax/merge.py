@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ringjax.options import described
+
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -68,9 +70,16 @@ def merge_attention_many(
     lses: Sequence[Float[Array, "batch heads seq"]],
 ) -> tuple[Float[Array, "batch seq heads head_dim"], Float[Array, "batch heads seq"]]:
     """Merge any number of partial results (the list form of `merge_attention`)."""
+    if not isinstance(outs, (list, tuple)) or not isinstance(lses, (list, tuple)):
+        raise TypeError(f"outs and lses must be lists (or tuples) of arrays, got {type(outs).__name__} and "
+                        f"{type(lses).__name__}")
     if len(outs) != len(lses) or not outs:
         raise ValueError(f"need equally many outs and lses (at least one), got {len(outs)} and {len(lses)}")
     for i, (o, lse_i) in enumerate(zip(outs, lses)):
+        for name, x in (("out", o), ("lse", lse_i)):
+            dtype = getattr(x, "dtype", None)
+            if dtype is None or not hasattr(x, "shape") or not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"part {i}: {name} must be a floating-point array, got {described(x)}")
         if o.ndim != 4 or lse_i.shape != (o.shape[0], o.shape[2], o.shape[1]):
             raise ValueError(
                 f"part {i}: out must be [batch, seq, heads, head_dim] and lse [batch, heads, seq], "

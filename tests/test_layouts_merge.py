@@ -35,6 +35,10 @@ def test_layout_errors():
         ringjax.to_layout(np.zeros((1, 10)), "zigzag", 4)
     with pytest.raises(ValueError, match="layout"):
         ringjax.to_layout(np.zeros((1, 8)), "diagonal", 4)
+    with pytest.raises(ValueError, match="axis_size must be a positive int, got True"):
+        ringjax.to_layout(np.zeros((1, 8)), "zigzag", True)
+    np.testing.assert_array_equal(ringjax.to_layout(np.arange(8)[None], "zigzag", np.int64(2)),
+                                  ringjax.to_layout(np.arange(8)[None], "zigzag", 2))
 
 
 def test_merge_of_two_key_sets_equals_attention_over_both():
@@ -69,3 +73,7 @@ def test_merge_keeps_empty_rows_exact():
     np.testing.assert_allclose(many_lse[0, 0, 0], 0.5 + np.log(3), rtol=1e-6)
     with pytest.raises(ValueError, match="equally many"):
         ringjax.merge_attention_many([out], [])
+    with pytest.raises(TypeError, match="outs and lses must be lists"):
+        ringjax.merge_attention_many(out, lse)
+    with pytest.raises(TypeError, match="part 1: lse must be a floating-point array, got int32 array"):
+        ringjax.merge_attention(out, lse, out, lse.astype(jnp.int32))
