@@ -22,6 +22,8 @@ def _check_packed(x, name: str, parts: int, shape_text: str) -> None:
         raise TypeError(f"{name} must be an array of shape {shape_text}, got {type(x).__name__}")
     if x.ndim != 5 or x.shape[2] != parts:
         raise ValueError(f"{name} must have shape {shape_text}, got {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got {x.dtype}")
 
 
 def ring_attention_qkvpacked(qkv: Float[Array, "batch seq 3 heads head_dim"], **kwargs):

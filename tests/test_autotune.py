@@ -258,6 +258,9 @@ def test_tune_settings_validated():
         autotuning.TuneSettings(backward=1)
     with pytest.raises(TypeError, match="TuneSettings"):
         ringjax.autotune(lambda: None, autotune_settings={"repeats": 3})
+    for empty in (0, {}):  # falsy, not None: not quietly the defaults
+        with pytest.raises(TypeError, match="autotune_settings must be a TuneSettings"):
+            ringjax.autotune(lambda: None, autotune_settings=empty)
 
 
 def test_cli_tune(candidates, capsys):

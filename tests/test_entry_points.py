@@ -166,6 +166,8 @@ BAD = [
     ("qkv must have shape \\[batch, seq, 3", lambda q, k, v: ringjax.ring_attention_qkvpacked(
         jnp.stack([q, q, q], axis=1)[None, :, :2], axis_name=None)),
     ("qkv must be an array", lambda q, k, v: ringjax.ring_attention_qkvpacked([[1.0]], axis_name=None)),
+    ("qkv must be a floating-point array, got int32", lambda q, k, v: ringjax.ring_attention_qkvpacked(
+        jnp.stack([q, q, q], axis=1)[None].astype(jnp.int32), axis_name=None)),
     ("kv must have shape \\[batch, seq, 2", lambda q, k, v: ringjax.ring_attention_kvpacked(
         q[None], k[None], axis_name=None)),
     ("kv must be an array", lambda q, k, v: ringjax.ring_attention_kvpacked(q[None], None, axis_name=None)),

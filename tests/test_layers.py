@@ -231,6 +231,8 @@ def test_layer_config_validation():
         MultiHeadAttention(16, 4, key=0)
     with pytest.raises(TypeError, match="param_dtype must be a floating-point dtype"):
         MultiHeadAttention(16, 4, key=key, param_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="positions must be an array of shape \\[seq\\] or \\[batch, seq\\], got list"):
+        MultiHeadAttention(16, 4, axis_name=None, key=key)(jnp.ones((1, 8, 16)), positions=list(range(8)))
 
 
 def test_core_import_does_not_import_optional_packages():

@@ -429,7 +429,7 @@ def autotune(fn: Callable, *args, autotune_settings: TuneSettings | None = None,
     Call this before the first call of a jitted `fn`: jax keeps the trace, and
     with it the configs, that an earlier call chose.
     """
-    settings = autotune_settings or TuneSettings()
+    settings = TuneSettings() if autotune_settings is None else autotune_settings
     if not isinstance(settings, TuneSettings):
         raise TypeError(f"autotune_settings must be a TuneSettings, got {type(settings).__name__}")
     problems = collect_problems(fn, *args, **kwargs)

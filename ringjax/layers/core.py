@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 from ringjax.api import ring_attention
 from ringjax.inference import KVCache, cache_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
-from ringjax.options import KEYWORDS_BY_NAME, _static_number, check_key, make_options, option_inputs
+from ringjax.options import KEYWORDS_BY_NAME, _static_number, check_key, described, make_options, option_inputs
 from ringjax.strategies.spread import check_strategy
 
 
@@ -203,6 +203,9 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         seq = x.shape[1]
         if positions is None:
             positions = token_positions(seq, axis_name=cfg.axis_name, layout=cfg.layout)
+        elif not hasattr(positions, "shape") or not jnp.issubdtype(getattr(positions, "dtype", object), jnp.number):
+            # fractional positions are allowed: position interpolation scales them
+            raise TypeError(f"positions must be an array of shape [seq] or [batch, seq], got {described(positions)}")
         elif positions.shape not in ((seq,), (x.shape[0], seq)):
             raise ValueError(f"positions must have shape [seq] or [batch, seq] = {(x.shape[0], seq)}, got "
                              f"{positions.shape}")
