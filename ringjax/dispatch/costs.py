@@ -52,6 +52,7 @@ _UNPRICED = frozenset({"all_gather", "ulysses"})
 # calibration rows with segments (`bench.py coverage`, `python -m ringjax calibrate`) pack this many documents
 # of equal length in every batch row
 MEASURED_DOCUMENTS = 4
+_MAX_READ_IDS = 1 << 24  # concrete segment ids read to price a call, at most (64 MiB of int32)
 MODES = ("fwd", "fwd_bwd")
 
 
@@ -131,13 +132,16 @@ def _visible_by_shard(opts, seq: int, documents=None) -> list[float]:
 
 def documents_of(segment_ids, layout: str, axis_size: int) -> tuple[tuple[int, ...], ...] | None:
     """`Problem.documents` of global segment ids [batch, seq] stored in `layout` over `axis_size` shards, or
-    None where they are traced (their values are known only when the call runs) or partly in other processes."""
+    None where they are traced (their values are known only when the call runs), partly in other processes, or
+    more than 16M ids."""
     from ringjax import _compat
     from ringjax.layouts import local_positions
 
     if segment_ids is None or _compat.is_traced(segment_ids):
         return None
     if not getattr(segment_ids, "is_fully_addressable", True):  # other processes hold some of it
+        return None
+    if np.size(segment_ids) > _MAX_READ_IDS:  # an eager call would copy them to the host every time
         return None
     ids = np.asarray(segment_ids)
     batch, t = ids.shape
