@@ -216,11 +216,11 @@ def described(x) -> str:
 
 def check_key(key, name: str) -> None:
     """TypeError naming `name` unless `key` is one jax.random key: a typed key (jax.random.key) or the raw
-    uint32[2] of jax.random.PRNGKey."""
+    uint32 data of jax.random.PRNGKey ([2] with the default threefry, [4] with rbg)."""
     dtype = getattr(key, "dtype", None)
     typed = dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
     shape = getattr(key, "shape", None)
-    if not (typed and shape == () or not typed and dtype == jnp.uint32 and shape == (2,)):
+    if not (typed and shape == () or not typed and dtype == jnp.uint32 and shape in ((2,), (4,))):
         what = f"{dtype}{list(shape)}" if dtype is not None and shape is not None else type(key).__name__
         raise TypeError(f"{name} must be one jax.random key (jax.random.key(seed), or jax.random.PRNGKey(seed)), "
                         f"got {what}")
