@@ -229,6 +229,8 @@ def test_layer_config_validation():
         MultiHeadAttention(16, 4, sliding_window=-1, key=key)
     with pytest.raises(TypeError, match="key must be one jax.random key .*got int"):
         MultiHeadAttention(16, 4, key=0)
+    with pytest.raises(ValueError, match="implementation must be 'auto' or one of: .*xla.*; got 'foo'"):
+        MultiHeadAttention(16, 4, key=key, implementation="foo")  # at construction, not at the first call
     with pytest.raises(TypeError, match="param_dtype must be a floating-point dtype"):
         MultiHeadAttention(16, 4, key=key, param_dtype=jnp.int32)
     with pytest.raises(TypeError, match="positions must be an array of shape \\[seq\\] or \\[batch, seq\\], got list"):

@@ -158,19 +158,22 @@ class Candidate:
         return self.registration.name
 
 
+def check_name(op: str, implementation: str) -> str:
+    """`implementation`'s current name (`canonical_name`); ValueError unless it is "auto" or registered."""
+    implementation = canonical_name(op, implementation)
+    if implementation != "auto" and (op, implementation) not in _REGISTRY:
+        known = ", ".join(r.name for r in registrations(op))
+        raise ValueError(f"implementation must be 'auto' or one of: {known}; got {implementation!r}")
+    return implementation
+
+
 def candidates(op: str, implementation: str, problem: Problem) -> list[Candidate]:
     """The implementations `implementation` may resolve to for `problem`, in the order "auto" prefers them:
     those predicted (from the device kind's calibration, `dispatch/costs.py`) fastest forward + backward
     first, then the unpredicted ones by priority; refused ones last. A name gives just that one."""
-    implementation = canonical_name(op, implementation)
+    implementation = check_name(op, implementation)
     regs = registrations(op)
-    if implementation == "auto":
-        regs = [r for r in regs if r.auto]
-    else:
-        regs = [r for r in regs if r.name == implementation]
-        if not regs:
-            known = ", ".join(r.name for r in registrations(op))
-            raise ValueError(f"implementation must be 'auto' or one of: {known}; got {implementation!r}")
+    regs = [r for r in regs if r.auto] if implementation == "auto" else [r for r in regs if r.name == implementation]
     # the calibrations price ring_attention's kernels; other ops go by priority
     calibration = costs.for_problem(problem) if op == "ring_attention" else None
     found = []

@@ -16,6 +16,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ringjax.api import ring_attention
+from ringjax.dispatch import registry
 from ringjax.inference import KVCache, cache_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
 from ringjax.options import KEYWORDS_BY_NAME, _static_number, check_key, described, make_options, option_inputs
@@ -85,6 +86,7 @@ class AttentionLayerConfig:
         check_strategy(self.strategy, self.axis_name)
         if not isinstance(self.implementation, str):
             raise TypeError(f"implementation must be a str, got {type(self.implementation).__name__}")
+        registry.check_name("ring_attention", self.implementation)
 
     def ring_keywords(self) -> dict[str, Any]:
         """The fields that are `ring_attention` keywords, by name."""
