@@ -115,6 +115,20 @@ def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
     return (window[0] // r, window[1] // r)
 
 
+def _check_ids(segment_ids, branches, global_len: int) -> None:
+    """ValueError where concrete ids would overflow int32 once combined with a branch's segment index (an id
+    per pair: user id * ceil(seq / w) + segment); traced ids are the caller's to keep below the bound."""
+    if segment_ids is None or _compat.is_traced(segment_ids) or not getattr(segment_ids, "is_fully_addressable",
+                                                                                  True):
+        return
+    top = int(np.max(np.asarray(segment_ids), initial=0))
+    for w, _ in branches:
+        limit = 2**31 // -(-global_len // w)
+        if top >= limit:
+            raise ValueError(f"segment_ids must stay below {limit} with segment length {w} over {global_len} "
+                             f"tokens (they are combined with the segment index in int32), got {top}")
+
+
 def _dilated_shard(q, k, v, seg, sinks, *, branches, axis_name, axis_size, layout, global_len, ring_kw):
     """Per-device dilated attention: (out [B,T,H,Dv], lse f32 [B,H,T])."""
     b, t, h, _ = q.shape
@@ -208,6 +222,7 @@ def dilated_attention(
     seq = q.shape[1]
     local_len = seq // call.axis_size if call.is_global else seq
     _check_layout(layout, branches, call.axis_size, local_len)
+    _check_ids(segment_ids, branches, local_len * call.axis_size)
     ring_kw = dict(causal=options["causal"], window=opts.window, softmax_scale=opts.softmax_scale,
                    logits_soft_cap=opts.logits_soft_cap, implementation=options["implementation"],
                    config=options["config"], autotune=options["autotune"], deterministic=opts.deterministic)

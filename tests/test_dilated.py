@@ -164,6 +164,10 @@ BAD = [
     ("local sequence length \\(4\\) to be a multiple", dict(segment_lengths=24, dilation_rates=8, mesh=4)),
     ("half the local sequence", dict(segment_lengths=8, dilation_rates=4, layout="zigzag", mesh=4)),
     ("not bound", dict(segment_lengths=8, dilation_rates=2, axis_name="sp")),
+    ("segment_lengths must be positive and at most 2\\*\\*30", dict(segment_lengths=2**31, dilation_rates=2)),
+    # each id is combined with its segment index in int32: 2**30 * 2 segments wrapped around without a word
+    ("segment_ids must stay below 1073741824 with segment length 8", dict(
+        segment_lengths=8, dilation_rates=1, _ids=[0] * 8 + [2**30] * 8)),
 ]
 
 
@@ -173,6 +177,8 @@ def test_bad_arguments(match, kw):
     kw = dict(kw)
     if "_q_heads" in kw:
         q = q[:, :, :kw.pop("_q_heads")]
+    if "_ids" in kw:
+        kw["segment_ids"] = jnp.asarray([kw.pop("_ids")], jnp.int32)
     if "mesh" in kw:
         kw["mesh"] = mesh_of(kw["mesh"])
     elif "axis_name" not in kw:
