@@ -109,9 +109,8 @@ def _static_number(value: Any, name: str, kind: type) -> Any:
         raise TypeError(f"{name} must be a Python {kind.__name__} (static), got {type(value).__name__}")
     if kind is int and not float(value).is_integer():
         raise TypeError(f"{name} must be an integer, got {value}")
-    if kind is int and abs(value) > MAX_STATIC_INT:
-        raise ValueError(f"{name} must be at most 2**30 (kernels add it to int32 positions), "
-                         f"got {value}")
+    if kind is int and abs(int(value)) > MAX_STATIC_INT:
+        raise ValueError(f"{name} must be at most 2**30 (kernels add it to int32 positions), got {value}")
     return kind(value)
 
 
