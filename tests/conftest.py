@@ -44,8 +44,8 @@ def _release_compiled_code_per_module():
 
 @pytest.fixture(autouse=True)
 def _release_compiled_code_when_many():
-    """Also within a module, after any test that leaves more than `_MAX_MAPS` mappings: one module of Mosaic
-    GPU interpreter tests alone reached 19000 (jax 0.12, 2026-11-26)."""
+    """Also within a module, after any test that leaves more than `_MAX_MAPS` mappings: one module alone
+    reached 19000 (jax 0.12, 2026-11-26)."""
     yield
     if _mappings() > _MAX_MAPS:
         import jax
