@@ -14,6 +14,18 @@ def is_traced(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
+def host_value(x, max_size: int | None = None):
+    """`x` as a numpy array where its value is known here: not a tracer (known only when the traced call runs),
+    not partly held by other processes, and at most `max_size` elements; else None."""
+    import numpy as np
+
+    if x is None or is_traced(x) or not getattr(x, "is_fully_addressable", True):
+        return None
+    if max_size is not None and np.size(x) > max_size:
+        return None
+    return np.asarray(x)
+
+
 def axis_size_or_none(axis_name: str) -> int | None:
     """Size of `axis_name` if it is bound in the current trace (e.g. inside shard_map)."""
     try:

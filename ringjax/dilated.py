@@ -118,10 +118,10 @@ def _compressed_window(window, w: int, r: int, global_len: int, causal: bool):
 def _check_ids(segment_ids, branches, global_len: int) -> None:
     """ValueError where concrete ids would overflow int32 once combined with a branch's segment index (an id
     per pair: user id * ceil(seq / w) + segment); traced ids are the caller's to keep below the bound."""
-    if segment_ids is None or _compat.is_traced(segment_ids) or not getattr(segment_ids, "is_fully_addressable",
-                                                                                  True):
+    ids = _compat.host_value(segment_ids)
+    if ids is None:
         return
-    top = int(np.max(np.asarray(segment_ids), initial=0))
+    top = int(np.max(ids, initial=0))
     for w, _ in branches:
         limit = 2**31 // -(-global_len // w)
         if top >= limit:

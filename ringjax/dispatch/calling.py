@@ -196,10 +196,6 @@ def _cached_jit(key: Hashable, make: Callable[[], Callable]) -> Callable:
     return fn
 
 
-def _is_traced(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
 def run(call: Call, per_device: Callable, args: Sequence[Any], roles: Sequence[str], out_roles: Sequence[str],
         *, key: Hashable | None = None, on_compile: Callable[[], None] | None = None):
     """per_device(*args) on every device's shards, in `call`'s mode.
@@ -232,10 +228,10 @@ def run(call: Call, per_device: Callable, args: Sequence[Any], roles: Sequence[s
         return jax.shard_map(on_present, mesh=call.mesh, in_specs=in_specs, out_specs=out_specs)(*xs)
 
     xs = tuple(args[i] for i in present)
-    if key is None or any(_is_traced(x) for x in xs):
+    if key is None or any(_compat.is_traced(x) for x in xs):
         announce()
         if not call.is_global:  # single mode under a trace: numpy inputs still need to become arrays
-            xs = tuple(x if _is_traced(x) else jax.numpy.asarray(x) for x in xs)
+            xs = tuple(x if _compat.is_traced(x) else jax.numpy.asarray(x) for x in xs)
         return whole(*xs)
     xs = tuple(x if isinstance(x, jax.Array) else np.asarray(x) for x in xs)
 

@@ -137,13 +137,10 @@ def documents_of(segment_ids, layout: str, axis_size: int) -> tuple[tuple[int, .
     from ringjax import _compat
     from ringjax.layouts import local_positions
 
-    if segment_ids is None or _compat.is_traced(segment_ids):
+    # at most _MAX_READ_IDS: an eager call copies them to the host every time
+    ids = _compat.host_value(segment_ids, _MAX_READ_IDS)
+    if ids is None:
         return None
-    if not getattr(segment_ids, "is_fully_addressable", True):  # other processes hold some of it
-        return None
-    if np.size(segment_ids) > _MAX_READ_IDS:  # an eager call would copy them to the host every time
-        return None
-    ids = np.asarray(segment_ids)
     batch, t = ids.shape
     if axis_size > 1:  # storage order -> natural order
         pos = np.concatenate([local_positions(layout, d, axis_size, t // axis_size, np) for d in range(axis_size)])
