@@ -81,11 +81,13 @@ def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=
 
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
                 config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, v_head_dim=None,
-                sink_step=False, **kw):
+                sink_step=False, final=False, **kw):
     """The step kernels on the positions `layout` gives shard `shard` (queries) and `src` (keys);
     `gather`: keys are the whole sequence in natural order (the all-gather schedule); `v_head_dim`: v's and
     dO's head_dim (None: head_dim); `sink_step`: keys are the first 64 tokens, of which only the pairs the
-    sink rule alone shows count (a shortened ring's sink step)."""
+    sink rule alone shows count (a shortened ring's sink step); `final`: the forward also writes its output
+    in the inputs' dtype (what the ring asks where no merge follows), which must be the float32 output
+    rounded, bit for bit."""
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
 
     total = local * n
@@ -129,9 +131,27 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
     qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]), segpos(qpos))
     ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]), segpos(kpos))
     out, lse = block_fwd(q, k, v, qi, ki, extras, opts, config)
+    assert out.dtype == jnp.float32
+    if final:
+        narrow, lse_narrow = block_fwd(q, k, v, qi, ki, extras, opts, config, out_dtype=q.dtype)
+        assert narrow.dtype == q.dtype
+        np.testing.assert_array_equal(np.asarray(lse_narrow), np.asarray(lse))
+        np.testing.assert_array_equal(np.asarray(narrow.astype(jnp.float32)),
+                                      np.asarray(out.astype(q.dtype).astype(jnp.float32)))
     dq, dk, dv, dslopes = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32),
                                     jnp.asarray(ref["delta"], jnp.float32), qi, ki, extras, opts, config)
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dslopes=dslopes)
+    if final:
+        narrow = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32),
+                           qi, ki, extras, opts, config, out_dtype=q.dtype)
+        for name, wide, thin in zip(("dq", "dk", "dv", "dslopes"), (dq, dk, dv, dslopes), narrow):
+            if wide is None:
+                assert thin is None
+                continue
+            if name != "dslopes":
+                assert thin.dtype in (q.dtype, jnp.float32), (name, thin.dtype)
+            np.testing.assert_array_equal(np.asarray(thin.astype(q.dtype).astype(jnp.float32)),
+                                          np.asarray(wide.astype(q.dtype).astype(jnp.float32)), err_msg=name)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
     for name in ("out", "dq", "dk", "dv"):
         assert np.isfinite(np.asarray(got[name])).all(), f"{name} is not finite"
@@ -202,6 +222,24 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     kw, batch, segments = _with_docs(kw, local * n)
     heads, kv_heads = (4, 2) if head_dim == 64 or src % 2 else (6, 3)  # 6/3: odd groups pair row tiles
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments, **kw)
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim, v_head_dim, persistent, dtype, kw", [
+    (64, None, True, "bfloat16", dict(causal=True)),
+    (64, None, False, "float16", dict(causal=True, window=(60, 0), num_sink_tokens=3)),  # dK/dV summed after
+    (64, None, True, "bfloat16", dict(causal=True, alibi=True)),
+    (128, 96, True, "bfloat16", dict(causal=True, segments=True)),  # 96 columns: 32-column bf16 chunks
+    (256, None, True, "bfloat16", dict(causal=True, dropout_rate=0.1)),
+])
+def test_final_results_are_written_in_the_input_dtype(head_dim, v_head_dim, persistent, dtype, kw):
+    """Where no merge follows, the forward stores its output in the inputs' dtype (64 bf16 columns per
+    128-byte chunk, 32 where the head_dim is no multiple of 64), and the backward its gradients: the float32
+    results rounded, bit for bit."""
+    kw, batch, segments = _with_docs(kw, 256)
+    config = dataclasses.replace(small_for(max(head_dim, v_head_dim or 0)), persistent=persistent)
+    _check_step("contiguous", 1, 0, 0, 256, dtype, head_dim, 4, 2, batch=batch, segments=segments,
+                v_head_dim=v_head_dim, config=config, final=True, **kw)
 
 
 @needs_kernels
@@ -766,9 +804,12 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
         ki = TokenInfo(pos - t, seg, pos[None] - t)
         cfg = IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv))
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
-                block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg))
+                block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg),
+                # final results: bf16
+                block_fwd(q, k, v, qi, ki, extras, opts, cfg, out_dtype=q.dtype),
+                block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg, out_dtype=q.dtype))
 
-    assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 3
+    assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 6
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")

@@ -85,3 +85,75 @@ def test_reference_check_can_fail():
     ref = reference_for(x, causal=False)
     with pytest.raises(AssertionError):
         check_against_reference(got, ref, "float32")
+
+
+@pytest.mark.parametrize("n, kw, sinks, asks", [
+    (1, dict(causal=True), False, True),  # one step: its output is final
+    (2, dict(causal=True, gather_kv=True), False, True),  # the all-gather schedule's one call
+    (2, dict(causal=True), False, False),  # two steps merge in float32
+    (1, dict(causal=True), True, False),  # learnable sinks rescale the output after the call
+    (4, dict(causal=True, window=(0, 0), num_sink_tokens=2), False, False),  # one step, then the sink step
+])
+def test_final_results_are_asked_for_in_the_input_dtype(n, kw, sinks, asks):
+    """A kernel with `final_dtype` is asked for q's dtype exactly where no merge follows its call, forward and
+    backward; the op's outputs and gradients are those of the same kernel writing float32."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from ringjax import _compat
+    from ringjax.backends.xla import XlaConfig
+    from ringjax.backends.xla.implementation import KERNEL
+    from ringjax.core.ring import ring_attention_shard
+    from ringjax.core.schedule import ring_plan
+    from ringjax.options import AttentionOptions
+
+    asked = {"fwd": [], "bwd": []}
+
+    def fwd(*args, out_dtype=jnp.float32):
+        asked["fwd"].append(jnp.dtype(out_dtype))
+        out, lse = KERNEL.fwd(*args)
+        return out.astype(out_dtype), lse
+
+    def bwd(*args, out_dtype=jnp.float32):
+        asked["bwd"].append(jnp.dtype(out_dtype))
+        *grads, dslopes = KERNEL.bwd(*args)
+        return (*(g.astype(out_dtype) for g in grads), dslopes)
+
+    narrow = dataclasses.replace(KERNEL, fwd=fwd, bwd=bwd, final_dtype=True)
+    opts = AttentionOptions(softmax_scale=0.3, axis_name="sp", axis_size=n, **kw)
+    if "window" in kw:
+        plan = ring_plan(opts, 8)
+        assert (plan.num_steps, plan.sink_step) == (1, True)
+    mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+    rng = np.random.default_rng(n)
+    sharding = jax.NamedSharding(mesh, P(None, "sp"))
+    q, k, v = (jax.device_put(jnp.asarray(rng.standard_normal((1, 8 * n, 4, 16)), jnp.bfloat16), sharding)
+               for _ in range(3))
+    s = jnp.asarray(rng.standard_normal(4), jnp.float32)
+
+    def loss(kernel):
+        def per_device(q, k, v, s):
+            s = _compat.match_vma(s, q) if sinks else None  # varying like q, as the public op passes it
+            return ring_attention_shard(opts, kernel, XlaConfig(block_q=4, block_kv=4), q, k, v, None, None, s)
+
+        f = jax.shard_map(per_device, mesh=mesh, in_specs=(P(None, "sp"),) * 3 + (P(),),
+                          out_specs=(P(None, "sp"), P(None, None, "sp")))
+
+        def total(q, k, v, s):
+            out, lse = f(q, k, v, s)
+            return out.astype(jnp.float32).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+        return jax.jit(jax.value_and_grad(total, argnums=(0, 1, 2, 3)))
+
+    got, want = loss(narrow)(q, k, v, s), loss(KERNEL)(q, k, v, s)
+    # the backward's one step is final with learnable sinks too (their gradient is apart); not all-gather's,
+    # whose dK/dV are summed over the devices
+    bwd_asks = asks and not kw.get("gather_kv") or (sinks and n == 1)
+    for phase, wanted in (("fwd", asks), ("bwd", bwd_asks)):
+        dtypes = asked[phase]
+        assert dtypes and all(d == (jnp.bfloat16 if wanted else jnp.float32) for d in dtypes), (phase, dtypes)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

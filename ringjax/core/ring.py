@@ -44,6 +44,10 @@ class BlockKernel:
       ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
       ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
         -> (dq, dk, dv, d alibi_slopes or None), float32.
+    `final_dtype`: fwd, ring_fwd and bwd also take `out_dtype=`; where no merge follows a call (forward: one
+    step, the all-gather's one call, ring_fwd, and no learnable sinks to rescale it; backward: one step) the
+    ring asks for the inputs' dtype, which spares the float32 stores and the casts after them. A kernel
+    may still return float32 (the ring casts).
     """
 
     name: str
@@ -52,6 +56,7 @@ class BlockKernel:
     skips_empty_steps: bool = False
     ring_fwd: Callable[..., Any] | None = None
     ring_bwd: Callable[..., Any] | None = None
+    final_dtype: bool = False
 
     @classmethod
     def without_extras(cls, name: str, block_fwd: Callable[..., Any], block_bwd: Callable[..., Any], **kw):
@@ -156,11 +161,11 @@ def _gather_kv(opts, k, v, kv_seg):
     return k_all, v_all, TokenInfo(pos, seg, segpos), order
 
 
-def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out=None):
     """The all-gather schedule: one kernel call of the local queries against every key."""
     q_info = _infos(opts, shard_index(opts), q, q_seg)
     k_all, v_all, k_info, _ = _gather_kv(opts, k, v, kv_seg)
-    return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config)
+    return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config, **(out or {}))
 
 
 def _gather_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
@@ -226,11 +231,14 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     return _without_sinks(opts, plan), q_info, infos, plan.offset
 
 
-def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out=None):
     b, t, h, _ = q.shape
     n = opts.axis_size
     shard = shard_index(opts)
     plan = ring_plan(opts, t)
+    # a lone step's output is final: `out` may ask for its dtype (`BlockKernel.final_dtype`)
+    final = (out or {}) if plan.num_steps == 1 and not plan.sink_step else {}
+    out_dtype = final.get("out_dtype", jnp.float32)
     q_info = _infos(opts, shard, q, q_seg)
     ring_opts = _without_sinks(opts, plan)
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
@@ -243,10 +251,11 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
         k_info = TokenInfo(_positions(opts, src, t), seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
-            return kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config)
+            o, lse_s = kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config, **final)
+            return o.astype(out_dtype), lse_s  # a kernel may keep float32 where it cannot write out_dtype
 
         def empty(k_cur=k_cur):
-            zero = _compat.match_vma(jnp.zeros((b, t, h, v.shape[3]), jnp.float32), q, k_cur)
+            zero = _compat.match_vma(jnp.zeros((b, t, h, v.shape[3]), out_dtype), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
         o, lse_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
@@ -309,12 +318,14 @@ def _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=
 
 
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    # where no learnable sinks rescale it, one call's output is final and may come in q's dtype
+    final = {"out_dtype": q.dtype} if kernel.final_dtype and sinks is None else None
     if opts.gather_kv:
-        out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+        out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, final)
     elif kernel.ring_fwd is not None:
-        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config)
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, **(final or {}))
     else:
-        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, final)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)
@@ -339,7 +350,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
     elif kernel.ring_bwd is not None:
         ring_bwd = kernel.ring_bwd
     else:
-        ring_bwd = functools.partial(_ring_backward, kernel)
+        ring_bwd = functools.partial(_ring_backward, kernel, final=kernel.final_dtype)
     dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
 
     dsinks = None
@@ -350,11 +361,15 @@ def _bwd_rule(opts, kernel, config, res, cts):
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
 
 
-def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
+def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, final=False):
     t = q.shape[1]
     n = opts.axis_size
     shard = shard_index(opts)
     plan = ring_plan(opts, t)
+    # a lone step's gradients are final: they may come in the inputs' dtype (`BlockKernel.final_dtype`)
+    final = final and plan.num_steps == 1 and not plan.sink_step
+    out = {"out_dtype": q.dtype} if final else {}
+    grad_dtype = q.dtype if final else jnp.float32
     ring_opts = _without_sinks(opts, plan)
     q_info = _infos(opts, shard, q, q_seg)
     alibi = extras.alibi_slopes is not None
@@ -367,11 +382,13 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
         k_info = TokenInfo(_positions(opts, plan.source(shard, step, n), t), seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
-            return kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config)
+            *grads, dsl = kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config,
+                                     **out)
+            return (*(g.astype(grad_dtype) for g in grads), dsl)
 
         def empty(k_cur=k_cur):
             refs = (q, k_cur, dout)
-            zeros = [_compat.match_vma(jnp.zeros(x.shape, jnp.float32), *refs) for x in (q, k, v)]
+            zeros = [_compat.match_vma(jnp.zeros(x.shape, grad_dtype), *refs) for x in (q, k, v)]
             slopes = _compat.match_vma(jnp.zeros(q.shape[2], jnp.float32), *refs) if alibi else None
             return (*zeros, slopes)
 

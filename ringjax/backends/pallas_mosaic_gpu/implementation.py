@@ -23,24 +23,24 @@ _PLGPU_API = ("kernel", "SMEM", "Barrier", "ACC", "wgmma", "copy_gmem_to_smem", 
               "CompilerParams", "LoweringSemantics")
 
 
-def _fwd(q, k, v, q_info, k_info, extras, opts, config):
+def _fwd(q, k, v, q_info, k_info, extras, opts, config, **out):
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_fwd
 
-    return block_fwd(q, k, v, q_info, k_info, extras, opts, config)
+    return block_fwd(q, k, v, q_info, k_info, extras, opts, config, **out)
 
 
-def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+def _bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config, **out):
     from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd
 
-    return block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config)
+    return block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config, **out)
 
 
-def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, signal: bool = True):
+def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, signal: bool = True, **out):
     from ringjax.backends.pallas_mosaic_gpu.kernels import fused_ring_fwd
 
     step_opts, q_info, k_infos, local = ring_sources(opts, q, q_seg, kv_seg)
     return fused_ring_fwd(q, k, v, q_info, k_infos, opts.axis_name, opts.axis_size, local, extras, step_opts,
-                          config, signal=signal)
+                          config, signal=signal, **out)
 
 
 def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, signal: bool = True):
@@ -51,7 +51,7 @@ def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, si
                           step_opts, config, signal=signal)
 
 
-KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True)
+KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True, final_dtype=True)
 # `MosaicGpuConfig(fused=True)`: the forward ring, and the backward's dK/dV, as one kernel each that copies K/V
 # (and the dK/dV partials) between devices itself. Above head_dim 128 the backward is the ring of step kernels
 FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused", ring_fwd=_ring_fwd, ring_bwd=_ring_bwd)

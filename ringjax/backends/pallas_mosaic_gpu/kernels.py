@@ -30,7 +30,8 @@ mask empties streams nothing and writes zeros (out) and -inf (lse).
 
 Positions inside a block are affine, base + stride * i (stride = ring size for the striped
 layout, 1 otherwise), as `layouts.local_positions` makes them; blocks never straddle a zigzag
-chunk. Outputs are float32 and leave through shared memory by TMA in 32-column chunks.
+chunk. Results leave through shared memory by TMA in chunks of a 128-byte swizzled row: float32, or
+the forward's output in the inputs' dtype where no merge follows it (`out_dtype`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,6 @@ from ringjax.core.visits import block_starts, range_table, sink_range_table
 from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
-_EPI = 32  # float32 columns per epilogue chunk: one 128-byte swizzled row
 _DQ_COLS = 64  # dQ columns per matmul in the fused backward: one 128-byte swizzled row of a bf16 K tile
 # per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
 # threads starts with 168 each); the dK/dV consumer holds two accumulators and gets the most
@@ -313,19 +313,20 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
 
 
 def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
-    """Store a float32 [64, D] register tile to GMEM `dst` in 32-column chunks via the SMEM slots of
-    `_epilogue_smem`; returns the chunk count to pass as `first` to the next call, so slots keep alternating
-    (a copy still reading a slot is never overwritten, whatever D). A `dst` of fewer rows (a multiple of 8)
-    takes the tile's first rows. `add`: TMA reduce-add into `dst` instead of overwriting it."""
-    (rows, _), (d, slots) = dst.shape, (acc.shape[1], smem.shape[1])
-    for c in range(d // _EPI):
+    """Store a float32 [64, D] register tile to GMEM `dst` (in the dtype of `smem`) in chunks of the slot's
+    columns via the SMEM slots of `_epilogue_smem`; returns the chunk count to pass as `first` to the next
+    call, so slots keep alternating (a copy still reading a slot is never overwritten, whatever D). A `dst`
+    of fewer rows (a multiple of 8) takes the tile's first rows. `add`: TMA reduce-add into `dst` instead of
+    overwriting it."""
+    (rows, _), (d, slots, cols) = dst.shape, (acc.shape[1], smem.shape[1], smem.shape[-1])
+    for c in range(d // cols):
         slot = (first + c) % slots
         plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous copy has read it
-        smem[wg, slot] = acc[:, c * _EPI:(c + 1) * _EPI]
+        smem[wg, slot] = acc[:, c * cols:(c + 1) * cols].astype(smem.dtype)
         plgpu.commit_smem()
         src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
-        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * _EPI, _EPI)], reduction_op="add" if add else None)
-    return first + d // _EPI
+        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * cols, cols)], reduction_op="add" if add else None)
+    return first + d // cols
 
 
 def _drain(steps, stages: int, *free):
@@ -355,12 +356,20 @@ def _half(rows, walk: _Walk, wg, d: int):
     return (*rows, pl.ds(wg * (d // 2), d // 2)) if walk.split else rows
 
 
-def _epilogue_smem(head_dim: int, consumers: int = 2, slots: int | None = None):
-    """Per consumer, float32 [64, 32] slots for `_write_rows`: two to overlap the copies, one when the
-    head_dim leaves no room (`config.epilogue_slots`) or `slots` says so."""
+def _epilogue_smem(head_dim: int, consumers: int = 2, slots: int | None = None, dtype=jnp.float32,
+                   width: int | None = None):
+    """Per consumer, [64, cols] slots of `dtype` for `_write_rows`: two to overlap the copies, one when the
+    head_dim leaves no room (`config.epilogue_slots`) or `slots` says so. cols: one 128-byte swizzled row
+    (32 float32 or 64 bf16 columns), narrower where the `width` written (default head_dim) is no multiple
+    of it; never more bytes than the float32 slots `config.smem_bytes` counts."""
     slots = epilogue_slots(head_dim) if slots is None else slots
-    return plgpu.SMEM((consumers, slots, ROWS, _EPI), jnp.float32,
-                      transforms=_transforms(_EPI, jnp.float32))
+    cols = _epilogue_cols(head_dim if width is None else width, dtype)
+    return plgpu.SMEM((consumers, slots, ROWS, cols), dtype, transforms=_transforms(cols, dtype))
+
+
+def _epilogue_cols(width: int, dtype) -> int:
+    item = jnp.dtype(dtype).itemsize
+    return next(w // item for w in (128, 64, 32) if width % (w // item) == 0)
 
 
 def _dot(a, b, transpose_b: bool):
@@ -848,8 +857,8 @@ def _segment_args(q_info: TokenInfo, k_info: TokenInfo):
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions,
-              config: MosaicGpuConfig):
-    return _forward(q, k, v, q_info, [k_info], extras, opts, config)
+              config: MosaicGpuConfig, out_dtype=jnp.float32):
+    return _forward(q, k, v, q_info, [k_info], extras, opts, config, out_dtype=out_dtype)
 
 
 # copy CTAs of a fused ring pass: enough to keep NVLink busy, few enough to leave the SMs to attention
@@ -858,16 +867,19 @@ _COPY_CTAS = 16
 
 def fused_ring_fwd(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str, axis_size: int,
                    local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig,
-                   signal: bool = True):
+                   signal: bool = True, out_dtype=jnp.float32):
     """A whole ring pass in one kernel: q against the K/V of the sources whose `TokenInfo`s are `k_infos`
     (one per sub-step; sub-step `local` is this device's own k, v), the others copied in by remote TMA
-    from the device of each. Returns (out f32, lse) merged over every source. `signal=False` (tests only)
+    from the device of each. Returns (out, lse) merged over every source. `signal=False` (tests only)
     breaks the handshake: the copies are never announced, so the kernel waits forever."""
-    return _forward(q, k, v, q_info, k_infos, extras, opts, config, ring=(axis_name, axis_size, local, signal))
+    return _forward(q, k, v, q_info, k_infos, extras, opts, config, ring=(axis_name, axis_size, local, signal),
+                    out_dtype=out_dtype)
 
 
 def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extras, opts: AttentionOptions,
-             config: MosaicGpuConfig, ring=None):
+             config: MosaicGpuConfig, ring=None, out_dtype=jnp.float32):
+    """(out, lse float32): out in `out_dtype` (float32 where a merge follows; the inputs' dtype where this
+    call's output is final, which spares a float32 store and a cast over it)."""
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
@@ -886,7 +898,7 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
         plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt)),
         plgpu.SMEM((walk.stages, bk, d), dt, transforms=_transforms(d, dt)),
         plgpu.SMEM((walk.stages, bk, dv), dt, transforms=_transforms(dv, dt)),
-        _epilogue_smem(max(d, dv)),
+        _epilogue_smem(max(d, dv), dtype=out_dtype, width=dv),
         plgpu.SMEM((2, ROWS), jnp.float32),
     ]
     if has_seg:
@@ -901,7 +913,7 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     ]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    out_type = [_compat.struct_like((b, t, h, dv), jnp.float32, args[0]),
+    out_type = [_compat.struct_like((b, t, h, dv), out_dtype, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
     grid_h = h // 2 if walk.pair_heads else h
     rows, static = walk.n_ctas, {}
@@ -1405,14 +1417,16 @@ def _bwd_stats(lse, delta):
 
 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
-              opts: AttentionOptions, config: MosaicGpuConfig):
-    """(dq, dk, dv, d alibi_slopes or None) of one step, float32."""
+              opts: AttentionOptions, config: MosaicGpuConfig, out_dtype=jnp.float32):
+    """(dq, dk, dv, d alibi_slopes or None) of one step: float32, or where they are final `out_dtype` (which
+    the kernels write directly, except what is summed after them: the fused backward's dQ, dK/dV beside
+    `_sink_key_grads`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
         dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
         return dq, dk, dv, None
-    dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config)
+    dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, out_dtype=out_dtype)
     dslope = None if dslope is None else dslope.sum(axis=(0, 2))
     if is_sink_step(opts):  # keys that every query sees: see `_sink_key_grads`
         dk, dv = few_keys_grads(q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
@@ -1421,7 +1435,8 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         dq, q = lax.optimization_barrier((dq, q))
     apart = _sinks_apart(opts)
     kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
-    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config)
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
+                         out_dtype=jnp.float32 if apart else out_dtype)
     if apart:
         dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
     return dq, dk, dv, dslope
@@ -1476,7 +1491,8 @@ def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
     return not split_head_dim(head_dim, v_head_dim)
 
 
-def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, ring=None, recv=()):
+def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, ring=None, recv=(),
+               out_dtype=jnp.float32):
     """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream. `ring` (axis_name,
     axis_size, local, signal) with `k_info` a list of every source's: one launch over all of them, sub-step
     `local` on k, v and the others on `recv` = (K, V) receive slots (`fused_ring_bwd`)."""
@@ -1495,7 +1511,7 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split), vec, vec,  # q, dO, lse, delta
                _stream_smem(walk.stages, bk, d, dt, split), _stream_smem(walk.stages, bk, dv, dt, split),  # K, V
-               _epilogue_smem(max(d, dv))]
+               _epilogue_smem(max(d, dv), dtype=out_dtype, width=d // 2 if split else d)]
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
@@ -1505,7 +1521,7 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    out_type = [_compat.struct_like((b, t, h, d), jnp.float32, args[0])]
+    out_type = [_compat.struct_like((b, t, h, d), out_dtype, args[0])]
     if opts.has_alibi:
         out_type.append(_compat.struct_like((b, h, t), jnp.float32, args[0]))
     static = {} if ring is None else {"ring": _make_ring(ring, len(k_infos), b, "q")}  # it copies nothing
@@ -1527,7 +1543,7 @@ def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: in
 
 
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False,
-                ring=None):
+                ring=None, out_dtype=jnp.float32):
     """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream.
     `with_dq`: also dQ (fused backward), returned first. `ring` (axis_name, axis_size, local, signal), with
     `k_info` a list of every source's (`fused_ring_bwd`): also the K/V received and the partials for ours."""
@@ -1544,7 +1560,8 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split),  # K, V
                _stream_smem(walk.stages, bq, d, dt, split), _stream_smem(walk.stages, bq, dv, dt, split),  # q, dO
-               vec, vec, _epilogue_smem(max(d, dv))]  # lse, delta
+               vec, vec, _epilogue_smem(max(d, dv), dtype=out_dtype,  # lse, delta; dK and dV leave through it
+                                        width=math.gcd(d, dv) // (2 if split else 1))]
     if has_seg:
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
@@ -1553,7 +1570,7 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    kv_structs = [_compat.struct_like(x.shape, jnp.float32, args[0]) for x in (k, v)]
+    kv_structs = [_compat.struct_like(x.shape, out_dtype, args[0]) for x in (k, v)]
     if ring is not None:
         ring = _make_ring(ring, len(k_infos), b, "k")
         # receive slots, one per source but this device's own: their K/V, then the partials for ours
