@@ -15,7 +15,8 @@ module fits rates to them and predicts:
   and not causal apart; calls: one per ring step (a fused ring's pass is one launch), the rate scaled by the measured
   head_dim nearest to the problem's and slowed by each feature's measured factor; a head_dim or
   feature one implementation was not measured at borrows the geometric mean of the factors measured
-  for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing),
+  for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing; a
+  feature's at least 1),
   and one nobody measured is priced as plain; the prediction says which;
 - packed segments: the visible pairs counted within each document where the problem knows them
   (`Problem.documents`: concrete segment ids when the call was traced, `explain --documents`, calibration
@@ -574,11 +575,12 @@ def _lend(rates: Mapping[tuple[str, str], Rates]) -> dict[tuple[str, str], Rates
     """Each implementation's rates with the head_dims and features it lacks priced by the geometric mean of
     the factors the others of its dtype class measured."""
 
-    def borrow(mine: Mapping, theirs: list[Mapping], label: str, borrowed: set[str]) -> dict:
+    def borrow(mine: Mapping, theirs: list[Mapping], label: str, borrowed: set[str], floor: float = 0.0) -> dict:
         table = dict(mine)
         for key in sorted({k for t in theirs for k in t} - set(mine) - {REFERENCE_HEAD_DIM}, key=str):
             found = [t[key] for t in theirs if key in t]
-            table[key] = {m: _geomean([f[m] for f in found if m in f]) for m in MODES if any(m in f for f in found)}
+            table[key] = {m: max(floor, _geomean([f[m] for f in found if m in f])) for m in MODES
+                          if any(m in f for f in found)}
             borrowed.add(label.format(key))
         return table
 
@@ -587,7 +589,12 @@ def _lend(rates: Mapping[tuple[str, str], Rates]) -> dict[tuple[str, str], Rates
         peers = [r for (n, d), r in rates.items() if d == dtype and n != name]
         borrowed = set(own.borrowed)
         head_dims = borrow(own.head_dims, [r.head_dims for r in peers], "head_dim {}", borrowed)
-        features = borrow(own.features, [r.features for r in peers], "{}", borrowed)
+        # a lent feature never prices a visible pair below the borrower's plain rate: a factor below 1 is the
+        # lender's own line at work (the Mosaic line's per-row term, fitted to plain calls, takes nearly all of
+        # a 32K window's time, leaving its FLOPs a factor of 1e-6), which the borrower's line does not share.
+        # Lent as it was, it priced XLA's 32K window at 1.2 ms (measured 150 ms with sink tokens) and auto ran
+        # XLA there (1 H100, 2026-11-27)
+        features = borrow(own.features, [r.features for r in peers], "{}", borrowed, floor=1.0)
         out[(name, dtype)] = dataclasses.replace(own, head_dims=head_dims, features=features,
                                                  borrowed=frozenset(borrowed))
     return out
