@@ -14,5 +14,8 @@ if [ -n "${WORKERS:-}" ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
   args+=(-n "$WORKERS")
 fi
-timeout "${TEST_TIMEOUT:-420}" python3 -m pytest "${args[@]}" "$@" 2>&1 | tee "$OUT/pytest.log"
+# SIGINT at the time limit: pytest stops and still prints its summary of failures; the log names every test
+# as it ends (-v), so a run cut short still says what failed (the console shows only failures and the summary)
+timeout -s INT -k 60 "${TEST_TIMEOUT:-420}" python3 -m pytest -v "${args[@]}" "$@" > "$OUT/pytest.log" 2>&1
+grep -E "FAILED|ERROR|passed|failed|error" "$OUT/pytest.log" | grep -v "PytestBenchmarkWarning" | tail -60
 timeout 120 python3 -m ringjax.demo 2>&1 | tail -20 | tee "$OUT/demo.log"
