@@ -90,6 +90,12 @@ def _reorder(x, order: np.ndarray, axis: int, out_sharding=None):
         return fn(x)
 
 
+def _check_out_sharding(out_sharding) -> None:
+    if out_sharding is not None and not isinstance(out_sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
+        raise TypeError(f"out_sharding must be None, a jax.sharding.Sharding or (under jax.set_mesh) a PartitionSpec, "
+                        f"got {out_sharding!r}")
+
+
 def _normalize_axis(x, axis: int) -> int:
     ndim = np.ndim(x)
     if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
@@ -107,6 +113,7 @@ def to_layout(x, layout: str, axis_size: int, axis: int = 1, *, out_sharding=Non
     """
     axis = _normalize_axis(x, axis)
     _check(layout, axis_size, np.shape(x)[axis])
+    _check_out_sharding(out_sharding)
     if layout == "contiguous":
         return x
     return _reorder(x, _permutation(layout, axis_size, np.shape(x)[axis]), axis, out_sharding)
@@ -116,6 +123,7 @@ def from_layout(x, layout: str, axis_size: int, axis: int = 1, *, out_sharding=N
     """Inverse of `to_layout`: restore natural token order along `axis` (same input kinds)."""
     axis = _normalize_axis(x, axis)
     _check(layout, axis_size, np.shape(x)[axis])
+    _check_out_sharding(out_sharding)
     if layout == "contiguous":
         return x
     return _reorder(x, np.argsort(_permutation(layout, axis_size, np.shape(x)[axis])), axis, out_sharding)

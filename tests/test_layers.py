@@ -235,6 +235,14 @@ def test_layer_config_validation():
         MultiHeadAttention(16, 4, key=key, param_dtype=jnp.int32)
     with pytest.raises(TypeError, match="positions must be an array of shape \\[seq\\] or \\[batch, seq\\], got list"):
         MultiHeadAttention(16, 4, axis_name=None, key=key)(jnp.ones((1, 8, 16)), positions=list(range(8)))
+    with pytest.raises(ValueError, match="counts .* applies only with a cache"):
+        MultiHeadAttention(16, 4, axis_name=None, key=key)(jnp.ones((1, 8, 16)), counts=jnp.array([8]))
+    layer = MultiHeadAttention(16, 4, axis_name=None, num_kv_heads=2, key=key)
+    wrong = ringjax.KVCache.create(1, 16, 4, 4, dtype=jnp.float32)  # 4 kv heads where the layer has 2
+    with pytest.raises(ValueError, match=r"cache must hold \(batch, kv_heads, head_dim, v_head_dim\) = \(1, 2, 4, 4\)"):
+        layer(jnp.ones((1, 3, 16)), cache=wrong)
+    y, cache = layer(jnp.ones((1, 3, 16)), cache=ringjax.KVCache.create(1, 16, 2, 4, dtype=jnp.float32))
+    assert y.shape == (1, 3, 16) and int(cache.lengths[0]) == 3
 
 
 def test_core_import_does_not_import_optional_packages():

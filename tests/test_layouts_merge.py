@@ -39,6 +39,9 @@ def test_layout_errors():
         ringjax.to_layout(np.zeros((1, 8)), "zigzag", True)
     np.testing.assert_array_equal(ringjax.to_layout(np.arange(8)[None], "zigzag", np.int64(2)),
                                   ringjax.to_layout(np.arange(8)[None], "zigzag", 2))
+    for fn in (ringjax.to_layout, ringjax.from_layout):  # a mesh axis name is not a sharding
+        with pytest.raises(TypeError, match="out_sharding must be None, a jax.sharding.Sharding .* got 'sp'"):
+            fn(jnp.zeros((1, 8)), "zigzag", 2, out_sharding="sp")
 
 
 def test_merge_of_two_key_sets_equals_attention_over_both():

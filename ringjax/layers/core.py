@@ -188,6 +188,18 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
         raise ValueError(f"x must have shape [batch, seq, features], got {getattr(x, 'shape', type(x).__name__)}")
     if x.shape[-1] != cfg.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the layer expects in_features={cfg.in_features}")
+    if counts is not None and cache is None:
+        raise ValueError("counts (per-row token counts of a ragged append) applies only with a cache; got no cache")
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be a ringjax.KVCache, got {type(cache).__name__}")
+        if segment_ids is not None:
+            raise ValueError("segment_ids does not apply with a cache: each row of the cache is one sequence")
+        want = (x.shape[0], cfg.kv_heads, cfg.dim, cfg.v_dim)
+        held = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
+        if held != want:
+            raise ValueError(f"cache must hold (batch, kv_heads, head_dim, v_head_dim) = {want} for this layer and "
+                             f"x, got {held}")
     if dtype is None:
         dtype = jnp.result_type(x.dtype, params["q"].dtype)
     x = x.astype(dtype)
@@ -195,10 +207,6 @@ def forward(cfg: AttentionLayerConfig, params, x, *, segment_ids=None, positions
     k = jnp.einsum("btf,fhd->bthd", x, params["k"].astype(dtype))
     v = jnp.einsum("btf,fhd->bthd", x, params["v"].astype(dtype))
     if cache is not None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a ringjax.KVCache, got {type(cache).__name__}")
-        if segment_ids is not None:
-            raise ValueError("segment_ids does not apply with a cache: each row of the cache is one sequence")
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)
     if cfg.rope_base is not None:
