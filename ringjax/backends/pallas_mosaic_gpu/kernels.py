@@ -31,7 +31,7 @@ mask empties streams nothing and writes zeros (out) and -inf (lse).
 Positions inside a block are affine, base + stride * i (stride = ring size for the striped
 layout, 1 otherwise), as `layouts.local_positions` makes them; blocks never straddle a zigzag
 chunk. Results leave through shared memory by TMA in chunks of a 128-byte swizzled row: float32, or
-the forward's output in the inputs' dtype where no merge follows it (`out_dtype`).
+in the inputs' dtype where they are final (`out_dtype`: the forward's output, a lone step's gradients).
 """
 
 from __future__ import annotations
