@@ -75,11 +75,16 @@ def random_segments(rng, batch, seq):
     return out
 
 
-def mesh_of(n):
+def need_devices(n):
+    """Skips the test where the machine has fewer than `n` devices (a GPU host has one or two)."""
     if n > len(jax.devices()):
         import pytest
 
         pytest.skip(f"needs {n} devices, {len(jax.devices())} {jax.default_backend()} devices here")
+
+
+def mesh_of(n):
+    need_devices(n)
     return jax.make_mesh((n,), ("sp",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:n])
 
 

@@ -227,6 +227,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.matmul_precision(None)  # the child process and the CLI key the cache at jax's own precision
 def test_cache_hit_across_processes(candidates):
     candidates(XlaConfig(4, 8), XlaConfig(8, 4))
     result = autotuning.tune_shapes(batch=1, seq=16, heads=2, kv_heads=1, head_dim=8, dtype="float32",
@@ -263,6 +264,7 @@ def test_tune_settings_validated():
             ringjax.autotune(lambda: None, autotune_settings=empty)
 
 
+@pytest.mark.matmul_precision(None)  # the child process and the CLI key the cache at jax's own precision
 def test_cli_tune(candidates, capsys):
     from ringjax.__main__ import main
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from harness import need_devices
+
 pytest.importorskip("equinox", reason="examples/train_lm.py needs equinox (pip install ringjax[equinox])")
 pytest.importorskip("optax", reason="examples/train_lm.py needs optax (pip install ringjax[test])")
 pytest.importorskip("matplotlib", reason="examples/long_context.py needs matplotlib (pip install ringjax[test])")
@@ -27,15 +29,8 @@ def _load(name):
     return module
 
 
-def _need(n):
-    import jax
-
-    if len(jax.devices()) < n:
-        pytest.skip(f"needs {n} devices, {len(jax.devices())} {jax.default_backend()} devices here")
-
-
 def test_train_lm_loss_goes_down(capsys):
-    _need(8)  # a 2 x 4 data x sequence mesh
+    need_devices(8)  # a 2 x 4 data x sequence mesh
     train_lm = _load("train_lm")
     vocab = 64
     result = train_lm.main(["--steps", "12", "--layers", "1", "--seq-len", "64", "--batch", "4", "--d-model", "32",
@@ -63,7 +58,7 @@ def test_train_lm_packs_documents_with_shifted_targets():
 
 
 def test_long_context_sweep_writes_table_and_plot(tmp_path):
-    _need(4)
+    need_devices(4)
     long_context = _load("long_context")
     result = long_context.main(["--start", "64", "--max-seq", "128", "--devices", "4", "--heads", "2",
                                 "--kv-heads", "1", "--head-dim", "16", "--out-dir", str(tmp_path)])
@@ -88,7 +83,7 @@ def test_long_context_stops_at_out_of_memory(tmp_path, monkeypatch):
 
 
 def test_generate_decodes_with_a_sharded_cache(capsys):
-    _need(8)
+    need_devices(8)
     generate = _load("generate")
     result = generate.main(["--steps", "5", "--prompt-len", "16", "--layers", "2", "--d-model", "32", "--heads", "4",
                             "--kv-heads", "2", "--vocab", "64"])

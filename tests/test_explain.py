@@ -401,7 +401,7 @@ def test_documents_are_read_only_where_the_ids_are_known():
 
 
 def test_concrete_segment_ids_reach_the_log(caplog):
-    n = 4
+    n = min(4, jax.device_count())
     mesh = jax.make_mesh((n,), ("sp",))
     q = jnp.asarray(np.random.default_rng(0).standard_normal((2, 16 * n, 4, 16)), jnp.float32)
     seg = jnp.asarray(np.repeat(np.arange(4), 16 * n // 4)[None].repeat(2, 0), jnp.int32)
@@ -462,7 +462,10 @@ def test_explain_cli_float32_highest(capsys):
 
 def test_explain_here_and_for_an_unknown_kind():
     here = explain(shape=(2, 1024, 4, 64), causal=True)
-    assert here.startswith("ring_attention/xla: ") and "by priority, nothing is measured for 'cpu'" in here
+    if jax.default_backend() == "cpu":
+        assert here.startswith("ring_attention/xla: ") and "by priority, nothing is measured for 'cpu'" in here
+    else:  # on a GPU: the same report, for the kinds that run there
+        assert "pallas_tpu: refused: runs on tpu, not gpu" in here and "nothing was run" in here
     other = explain(shape=(1, 8192, 8, 128), device_kind="NVIDIA A100-SXM4-80GB", devices=2)
     assert "nothing is measured for 'NVIDIA A100-SXM4-80GB'" in other and "no prediction" in other
 
@@ -481,7 +484,9 @@ def test_the_log_says_what_runs_once_per_compiled_problem(caplog):
     assert len(records) == 2 and all(r.levelno == logging.INFO for r in records)
     ring, single = (r.getMessage() for r in records)
     assert ring.startswith("ring_attention/xla: heuristic config {") and f"strategy ring over 'sp' of {n}" in ring
-    assert "logits_soft_cap" in ring and "pallas_triton: refused: runs on gpu, not cpu" in ring
+    elsewhere = ("pallas_triton: refused: runs on gpu, not cpu" if jax.default_backend() == "cpu"
+                 else "pallas_tpu: refused: runs on tpu, not gpu")
+    assert "logits_soft_cap" in ring and elsewhere in ring
     assert "sliding_window" in single and "strategy ring (strategy='ring')" in single
 
 
@@ -490,12 +495,14 @@ def test_calibrate_here_then_auto_predicts(tmp_path, monkeypatch, capsys):
     kind, kernels, collectives = calibrate.measure(seqs=(64,), heads=2, kv_heads=1, head_dims=(16,),
                                                    collective_mib=(0.01,), repeats=1, features=(),
                                                    dtypes=(("float32", "default"),), say=lambda _: None)
-    assert kind == registry.current_device_kind() and {r["implementation"] for r in kernels} == {"xla"}
+    measured = {r["implementation"] for r in kernels}
+    assert kind == registry.current_device_kind() and "xla" in measured
+    assert measured == {"xla"} or jax.default_backend() != "cpu"  # a GPU measures its kernels too
     path = costs.path_for(kind)
     calibrate.write(calibrate.merge(calibrate.existing(kind), kernels, collectives), path)
     assert json.loads(path.read_text())["format"] == "ringjax-calibration"
     problem = registry.Problem(opts=AttentionOptions(causal=True), batch=1, seq=64, heads=2, kv_heads=1, head_dim=16,
-                               dtype="float32", platform="cpu")
+                               dtype="float32", platform=registry.current_platform(), device_kind=kind)
     assert costs.predict(costs.for_problem(problem), "xla", problem) is not None
     assert "auto: the fastest predicted" in explain(shape=(1, 64, 2, 16), kv_heads=1, dtype="float32", causal=True)
     if jax.device_count() > 1:

@@ -6,7 +6,7 @@ Every case runs on simulated CPU devices; each feature is checked on 1, 2, 4 and
 import numpy as np
 import pytest
 
-from harness import check_against_reference, make_inputs, reference_for, run_ring
+from harness import check_against_reference, make_inputs, need_devices, reference_for, run_ring
 
 DEVICES = [1, 2, 4, 8]
 LAYOUTS = ["contiguous", "zigzag", "striped"]
@@ -127,6 +127,7 @@ def test_final_results_are_asked_for_in_the_input_dtype(n, kw, sinks, asks):
     if "window" in kw:
         plan = ring_plan(opts, 8)
         assert (plan.num_steps, plan.sink_step) == (1, True)
+    need_devices(n)
     mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
     rng = np.random.default_rng(n)
     sharding = jax.NamedSharding(mesh, P(None, "sp"))

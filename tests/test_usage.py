@@ -14,13 +14,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+from ringjax.core import precision
 from ringjax.dispatch import calling, registry
 
-from harness import TOLERANCE, make_inputs, mesh_of, reference_for, rel_err
-
-
-def _need(n):
-    mesh_of(n)  # skips where the machine has fewer devices
+from harness import TOLERANCE, make_inputs, need_devices, reference_for, rel_err
 
 
 def _auto_mesh(shape, names):
@@ -50,7 +47,7 @@ def _spec(mesh):
 @pytest.mark.parametrize("mesh_name", MESHES)
 @pytest.mark.parametrize("how", ["mesh_arg", "set_mesh", "jit_set_mesh", "shard_map"])
 def test_every_mesh_kind_and_calling_mode(mesh_name, how):
-    _need(8)
+    need_devices(8)
     mesh = MESHES[mesh_name]()
     n = mesh.shape["sp"]
     layout = "zigzag"
@@ -88,7 +85,7 @@ def test_every_mesh_kind_and_calling_mode(mesh_name, how):
 
 
 def test_global_call_on_auto_mesh_has_gradients():
-    _need(4)
+    need_devices(4)
     mesh = _auto_mesh((4,), ("sp",))
     x = make_inputs(22, seq=32, sinks=True)
     q, k, v = (jnp.asarray(x[name]) for name in ("q", "k", "v"))
@@ -107,7 +104,7 @@ def test_global_call_on_auto_mesh_has_gradients():
                                   "jit_auto_out_sharding"])
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
 def test_to_and_from_layout_on_every_input_kind(kind, layout):
-    _need(4)
+    need_devices(4)
     n = 4
     base = np.random.default_rng(3).standard_normal((2, 16, 3)).astype(np.float32)
     expected = base[:, np.concatenate([ringjax.layouts.local_positions(layout, s, n, 16 // n, xp=np)
@@ -152,7 +149,7 @@ def test_to_and_from_layout_on_every_input_kind(kind, layout):
 
 def test_layout_then_ring_attention_under_jit_on_auto_mesh_stays_sharded():
     """Inside jit on an Auto mesh, to_layout feeds the ring exactly (its placement follows the consumer)."""
-    _need(4)
+    need_devices(4)
     mesh = _auto_mesh((4,), ("sp",))
     x = make_inputs(23, seq=32)
 
@@ -174,14 +171,14 @@ def test_numpy_inputs(mode):
     if mode == "single":
         out = ringjax.ring_attention(x["q"], x["k"], x["v"], axis_name=None, **kw)
     else:
-        _need(4)
+        need_devices(4)
         out = ringjax.ring_attention(x["q"], x["k"], x["v"], mesh=_auto_mesh((4,), ("sp",)), **kw)
     assert rel_err(out, reference_for(x, causal=True)["out"]) < 1e-5
 
 
 def test_eager_global_call_is_compiled_once(monkeypatch):
     """Calling without jax.jit traces the ring once per shape and options, not once per call."""
-    _need(4)
+    need_devices(4)
     mesh = _auto_mesh((4,), ("sp",))
     traces = []
     real = registry.run_per_device
@@ -230,7 +227,7 @@ def test_support_matrix(impl, dtype, head_dim):
                                         logits_soft_cap=None, layout="contiguous", axis_name=None, axis_size=1,
                                         has_segments=False, has_sinks=False)
     problem = registry.Problem(opts=opts, batch=1, seq=32, heads=2, kv_heads=1, head_dim=head_dim, dtype=dtype,
-                               platform=registry.current_platform())
+                               platform=registry.current_platform(), precision=precision.current(dtype))
     reg = next(r for r in registry.registrations("ring_attention") if r.name == impl)
     why = registry.refusal(reg, problem)
     if why is not None:
@@ -257,7 +254,7 @@ def test_support_matrix(impl, dtype, head_dim):
 @pytest.mark.parametrize("framework", ["equinox", "nnx"])
 def test_layers_on_an_auto_mesh_with_data_axis(framework):
     """A layer on global arrays over Mesh(devices, ("dp", "sp")) equals the same layer unsharded."""
-    _need(8)
+    need_devices(8)
     mesh = _auto_mesh((2, 4), ("dp", "sp"))
     kw = dict(num_heads=4, num_kv_heads=2, causal=True, sliding_window=9)
     x = np.random.default_rng(31).standard_normal((2, 32, 32)).astype(np.float32)
@@ -310,7 +307,7 @@ def _public_calls(x, dtype):
                                   "ring_attention_varlen", "dilated_attention"])
 def test_every_public_function_on_global_and_local_arrays(name, mode, dtype):
     """Each public attention function on an Auto (dp, sp) mesh equals its single-device call."""
-    _need(8)
+    need_devices(8)
     mesh = _auto_mesh((2, 4), ("dp", "sp"))
     x = make_inputs(28, batch=2, seq=64, heads=4, kv_heads=2, head_dim=64, dtype=dtype)
     fn, args, specs, kw = _public_calls(x, dtype)[name]
