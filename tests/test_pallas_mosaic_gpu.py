@@ -263,11 +263,40 @@ def test_persistent_order_puts_the_heaviest_rows_first():
     info = TokenInfo(pos, None, pos[None])
     walk = _walk_for(opts, 512, 512, 64, 2, 2, transpose=False)
     table = range_table(opts, info, info, 64, 64)
-    order = np.asarray(_persistent_order(table, walk))
+    order = np.asarray(_persistent_order([table], walk))
     steps = np.asarray(table[0, :, 3] - table[0, :, 0])  # blocks each 64-row tile visits
     tiles = walk.n_ctas - 1 - order  # causal launches reverse the rows (heaviest_last)
     assert sorted(order.tolist()) == list(range(walk.n_ctas))
     assert np.all(np.diff(steps[tiles]) <= 0) and steps[tiles[0]] > steps[tiles[-1]]
+    # a fused ring pass: a row tile's work is its visits summed over the sources
+    one, other = (jnp.zeros((1, walk.n_ctas, 4), jnp.int32).at[0, :, 3].set(jnp.asarray(x, jnp.int32))
+                  for x in ([4, 0, 0, 0, 0, 0, 0, 3], [0, 0, 0, 0, 0, 0, 0, 3]))
+    first = [walk.n_ctas - 1 - int(_persistent_order(t, walk)[0]) for t in ([one], [one, other])]
+    assert first == [0, 7]
+
+
+@pytest.mark.parametrize("ctas, skip", [(8, 0), (8, 3), (12, 4), (40, 16)])
+def test_persistent_items_are_dealt_once(ctas, skip):
+    """`_Persist` deals every (batch, head, row) of the grid to exactly one CTA; with `skip` (a fused ring
+    pass's copy CTAs) the first `skip` CTAs give up their item of round 0, the heaviest."""
+    from ringjax.backends.pallas_mosaic_gpu.kernels import _Persist
+
+    grid = (3, 5, 2)  # heads, rows, batch
+    persist = _Persist(ctas, grid, skip)
+    order = jnp.asarray([4, 2, 0, 1, 3], jnp.int32)  # rows in visiting order
+    most = -(-(30 + skip) // ctas)
+
+    def cta(_):
+        items = [jnp.stack(persist.at(jnp.int32(i), order)) for i in range(most)]
+        return persist.count(), jnp.stack(items)
+
+    counts, items = (np.asarray(x) for x in jax.vmap(cta, axis_name="h")(jnp.arange(ctas)))
+    dealt = sorted(tuple(items[c, i]) for c in range(ctas) for i in range(counts[c]))
+    assert dealt == sorted((b, h, r) for b in range(2) for h in range(3) for r in range(5))
+    heaviest = {(b, h, 4) for b in range(2) for h in range(3)}  # row 4 is visited first
+    firsts = [tuple(items[c, 0]) for c in range(ctas) if counts[c]]
+    assert sum(x in heaviest for x in firsts) == min(6, ctas - skip)  # round 0 minus the copies' places
+    assert not any(counts[c] and tuple(items[c, 0]) in heaviest for c in range(skip))
 
 
 HEAD_DIM_CASES = [
@@ -513,10 +542,11 @@ def test_fused_ring_broken_handshake_hangs_and_is_stopped(broken):
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("n, segments", [(2, False), (4, True)])
-def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments):
-    """The fused forward ring is one Mosaic GPU kernel and no collective (segment ids: one all-gather); its
-    gradient adds one dK/dV kernel and one dQ kernel over every source, and no collective either."""
+@pytest.mark.parametrize("n, segments, persistent", [(2, False, True), (4, True, True), (2, False, False)])
+def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments, persistent):
+    """The fused forward ring is one Mosaic GPU kernel (persistent, or a CTA per row tile) and no collective
+    (segment ids: one all-gather); its gradient adds one dK/dV kernel and one dQ kernel over every source,
+    and no collective either."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import FUSED_KERNEL, _jax_refusal
     from ringjax.core.ring import ring_attention_shard
 
@@ -527,7 +557,7 @@ def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments):
     mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
     opts = AttentionOptions(softmax_scale=0.1, causal=True, axis_name="sp", axis_size=n, layout="zigzag",
                             has_segments=segments)
-    cfg = MosaicGpuConfig(fused=True)
+    cfg = MosaicGpuConfig(fused=True, persistent=persistent)
 
     def attn(q, k, v, seg):
         seg = seg if segments else None

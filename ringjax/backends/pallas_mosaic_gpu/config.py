@@ -42,9 +42,10 @@ class MosaicGpuConfig(KernelConfig):
     source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not
     O(sequence / devices)); the ring axis must span every device. The heuristic config (what `auto` runs
     untuned) sets it where the call allows and those slots fit (`implementation.fuses_ring`).
-    `persistent`: where no row tile can visit more than 128 key blocks, the forward outside a fused ring
-    launches one CTA per SM that walks row tiles sorted by their work (`kernels._Persist`), so one tile's
-    pipeline fill and epilogue overlap the next tile's loads; False: a CTA per row tile.
+    `persistent`: where no row tile can visit more than 128 key blocks (64 over all sources of a fused ring
+    pass), the forward launches one CTA per SM that walks row tiles sorted by their work
+    (`kernels._Persist`), so one tile's pipeline fill and epilogue overlap the next tile's loads; in a
+    fused pass the first CTAs copy K/V before their first tile. False: a CTA per row tile.
     `interpret=True` runs the same kernels in jax's GPU interpreter on any platform, with the block
     matmuls as jnp.dot: for eager per-step tests on CPU (slow; under jit the interpreter can stall on
     hosts with few cores).

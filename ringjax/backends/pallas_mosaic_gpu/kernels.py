@@ -537,7 +537,8 @@ class _Ring:
     The copy CTAs are the first `copy_rows` rows of head 0, every batch row: the first CTAs CUDA
     dispatches (Pallas hands the grid (heads, rows, batch) to CUDA reversed, batch fastest), so they run
     before attention CTAs, which wait for the other devices' copies, can fill the SMs. The same rows of
-    the other heads do nothing."""
+    the other heads do nothing. In a persistent pass (`_Persist`, every CTA resident at once) the first
+    `copy_ctas` CTAs copy in place of their first work item."""
 
     axis_name: str
     axis_size: int
@@ -561,16 +562,21 @@ class _Ring:
         """(sub-step, slot) of each destination: device me - local + j takes this device's K/V at sub-step j."""
         return [(j, self.slot(j)) for j in range(self.steps) if j != self.local]
 
+    def copy_cta(self):
+        """Of a CTA of a grid with copy rows: whether it is in a copy row, and its index among the copy CTAs."""
+        row = lax.axis_index(self.row_axis)
+        return row < self.copy_rows, row * (self.copy_ctas // self.copy_rows) + lax.axis_index("b")
 
-def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem):
-    """Copy CTA of a fused ring pass: this device's K and V, cut into streamed-block chunks spread over the
-    copy CTAs, staged through the stage slots and stored by TMA into every destination's receive slot;
-    once every store has landed, each destination's semaphore of that slot is signalled once."""
+
+def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem, cid):
+    """Copy CTA `cid` of a fused ring pass: this device's K and V, cut into streamed-block chunks spread over
+    the copy CTAs, staged through the stage slots (`loaded`: barriers that no stream waits on, so that the
+    stream's barriers keep their phases) and stored by TMA into every destination's receive slot; once every
+    store has landed, each destination's semaphore of that slot is signalled once."""
     k_ref = kv_refs[0]
     b, s, kvh, _ = k_ref.shape
     stages, bk = smem[0].shape[:2]
     nb = s // bk
-    cid = lax.axis_index(ring.row_axis) * b + lax.axis_index("b")
     me = lax.axis_index(ring.axis_name)
     n = jnp.int32(ring.axis_size)
     dsts = [(lax.rem(me - ring.local + j + n, n), slot) for j, slot in ring.sends()]
@@ -612,9 +618,10 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     qseg_smem, kseg_smem = r.take(2, has_seg)
     q_bar, k_bar, v_bar, k_free, v_free, sched = r.take(6)
     seg_bar = r.take(1, has_seg)
+    copy_bars = r.take(2, ring is not None)
 
     bk, stages = walk.block, walk.stages
-    first_row = 0 if ring is None else ring.copy_rows
+    first_row = 0 if ring is None or persist is not None else ring.copy_rows
     wg = lax.axis_index("wg")
     sem = None if ring is None else pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))
     # without a soft cap or ALiBi the scale stays out of the max and joins exp2 as one FMA
@@ -736,7 +743,10 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
                 return base
 
-            load_q(None if persist is None else persist.at(0, order_ref))
+            if persist is None:
+                load_q(None)
+            else:  # a copy CTA of a tiny fused pass may have no item
+                pl.when(persist.count() > 0)(lambda: load_q(persist.at(0, order_ref)))
             _items(persist, order_ref, item, base0)
             plgpu.wait_smem_to_gmem(0)
 
@@ -775,12 +785,15 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     if ring is None:
         attention()
         return
-    copy_row = lax.axis_index("q") < ring.copy_rows
+    send = functools.partial(_send_kv, ring, (k_ref, v_ref), (k_recv, v_recv), (k_smem, v_smem), copy_bars, sem)
+    if persist is not None:
+        # every CTA is resident: a copy CTA's producer sends, then streams; its consumers wait for the stream
+        pl.when((lax.axis_index("h") < ring.copy_ctas) & (wg == 2))(lambda: send(lax.axis_index("h")))
+        attention()
+        return
+    copy_row, cid = ring.copy_cta()
     pl.when(jnp.logical_not(copy_row))(attention)
-
-    @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
-    def _():
-        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (k_smem, v_smem), (k_bar, v_bar), sem)
+    pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))(lambda: send(cid))
 
 
 def _keys_natural(opts: AttentionOptions) -> bool:
@@ -913,20 +926,27 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     ]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
+    if ring is not None:
+        scratch += [plgpu.Barrier(num_barriers=walk.stages)] * 2  # the copy's K, V staged
     out_type = [_compat.struct_like((b, t, h, dv), out_dtype, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
-    grid_h = h // 2 if walk.pair_heads else h
-    rows, static = walk.n_ctas, {}
+    grid = (h // 2 if walk.pair_heads else h, walk.n_ctas, b)
+    static = {}
     if ring is not None:
         static["ring"] = _make_ring(ring, len(k_infos), b, "q")
-        rows += static["ring"].copy_rows
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
-    grid = (grid_h, rows, b)
-    if ring is None and config.persistent and _short_rows(opts, s, bk):
-        static["persist"] = _Persist(min(_sm_count(config), math.prod(grid)), grid)
+    # a fused pass's row tiles visit the blocks of every source; it persists only up to 64 blocks: its copy
+    # CTAs start their items late, which cost 2% at 8K tokens per GPU (128 blocks) and gained 3% at 4K
+    # (2 H100, 2026-11-27, benchmarks/results/checks/)
+    if config.persistent and _short_rows(opts, s * len(k_infos), bk, most=128 if ring is None else 64):
+        skip = 0 if ring is None else static["ring"].copy_ctas
+        static["persist"] = _Persist(min(_sm_count(config), math.prod(grid) + skip), grid, skip)
+        visits = [rng for rng, _ in tables] if walk.ranged else None
+        args.append(_unify_with(args, _persistent_order(visits, walk))[0])
         grid = (static["persist"].ctas, 1, 1)
-        args.append(_unify_with(args, _persistent_order(tables[0][0] if walk.ranged else None, walk))[0])
+    elif ring is not None:
+        grid = (grid[0], grid[1] + static["ring"].copy_rows, b)
     outs = _launch(_fwd_kernel, args, out_type, scratch, grid=grid, rows="q", walk=walk, groups=g,
                    has_seg=has_seg, opts=opts, config=config, **static)
     return outs[0], outs[1]
@@ -979,24 +999,32 @@ class _Persist:
     input), and dealt out in rounds that alternate direction (CTA c takes item c of round 0, item
     ctas - 1 - c of round 1, ...), so every CTA gets heavy and light tiles in turn. Each CTA's producer
     streams the next item's blocks while its consumers finish the last, so short items (windows, chunks,
-    short sequences) do not each pay a pipeline fill and an epilogue alone."""
+    short sequences) do not each pay a pipeline fill and an epilogue alone.
+
+    `skip`: the first `skip` CTAs have other work first (a fused ring pass's copies), which takes the place
+    of their item of round 0, the heaviest."""
 
     ctas: int
     grid: tuple[int, int, int]
+    skip: int = 0
 
     def _slot(self, r):
         c = lax.axis_index("h")
         return jnp.where(lax.rem(r, jnp.int32(2)) == 0, c, jnp.int32(self.ctas - 1) - c)
 
+    def _skips(self):
+        return (lax.axis_index("h") < self.skip).astype(jnp.int32)
+
     def count(self):
         """Work items of this CTA."""
-        full, rest = divmod(self.grid[0] * self.grid[1] * self.grid[2], self.ctas)
-        return jnp.int32(full) + (self._slot(jnp.int32(full)) < rest).astype(jnp.int32)
+        full, rest = divmod(self.grid[0] * self.grid[1] * self.grid[2] + self.skip, self.ctas)
+        return jnp.int32(full) + (self._slot(jnp.int32(full)) < rest).astype(jnp.int32) - self._skips()
 
     def at(self, i, order_ref):
         """(batch, head, row) of this CTA's item i; `order_ref` holds the grid rows in visiting order."""
         heads, _, batch = self.grid
-        w = i * self.ctas + self._slot(i)
+        i = i + self._skips()
+        w = i * self.ctas + self._slot(i) - self.skip
         row, rest = lax.div(w, jnp.int32(heads * batch)), lax.rem(w, jnp.int32(heads * batch))
         return lax.rem(rest, jnp.int32(batch)), lax.div(rest, jnp.int32(batch)), order_ref[row]
 
@@ -1008,15 +1036,17 @@ def _items(persist: _Persist | None, order_ref, body, carry):
     return lax.fori_loop(0, persist.count(), lambda i, c: body(i, persist.at(i, order_ref), c), carry)
 
 
-def _persistent_order(rng, walk: _Walk):
+def _persistent_order(tables, walk: _Walk):
     """int32 [n_ctas]: the grid rows of a persistent launch, the most visits first (ties in grid order), from
-    the visit table `rng` (None: every row visits every block) summed over its batch rows."""
-    if rng is None:
+    the visit tables of its sources (None: every row visits every block), each summed over its batch rows."""
+    if tables is None:
         return jnp.arange(walk.n_ctas, dtype=jnp.int32)
-    rng = rng.sum(axis=0)  # [tiles, 4 or 6]
-    steps = jnp.maximum(rng[:, -1] - rng[:, -4], 0)
-    if walk.prefix:
-        steps = steps + jnp.maximum(rng[:, 1] - rng[:, 0], 0)
+    steps = 0
+    for rng in tables:
+        rng = rng.sum(axis=0)  # [tiles, 4 or 6]
+        steps = steps + jnp.maximum(rng[:, -1] - rng[:, -4], 0)
+        if walk.prefix:
+            steps = steps + jnp.maximum(rng[:, 1] - rng[:, 0], 0)
     cta = jnp.arange(walk.n_ctas)
     tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
     work = jnp.maximum(steps[tiles[0]], steps[tiles[1]])
@@ -1372,7 +1402,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         return
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # a source's K/V landed here
     dsem = pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))  # partials of our K/V landed here
-    copy_row = lax.axis_index("k") < ring.copy_rows
+    copy_row, cid = ring.copy_cta()
 
     @pl.when(jnp.logical_not(copy_row) & (j == ring.local))
     def _():
@@ -1401,7 +1431,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
     def _():
-        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (q_smem, do_smem), (q_bar, do_bar), sem)
+        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (q_smem, do_smem), (q_bar, do_bar), sem, cid)
 
         # this device's kernel ends only once every partial of its K/V has landed: XLA sums them next
         @pl.when((lax.axis_index("k") == 0) & (b == 0))
