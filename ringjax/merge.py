@@ -26,13 +26,6 @@ def finite_or_zero(lse):
     return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
-def exp_below(x, m):
-    """exp(x - m) for x at most m, clamped at 1. XLA may compute x in two fusions that round differently
-    (its dot recomputed, say); a huge softmax_scale then turns that rounding into x - m far above 0, whose
-    exp overflows to inf and the output to NaN (1e9 did on CPU, jax 0.12)."""
-    return jnp.exp(jnp.minimum(x - m, 0.0))
-
-
 def log_sum(m, total, *, base2: bool = False):
     """lse = m + log(total) of a sum of exp(x - m) (exp2 with `base2`); -inf where total = 0 (no key)."""
     seen = total > 0.0

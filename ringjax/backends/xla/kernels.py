@@ -21,7 +21,7 @@ from ringjax.core.modifiers import (
 from ringjax.core.precision import DEFAULT, dot_precision
 from ringjax.core.schedule import reach
 from ringjax.core.tiles import Tiling, block_ranges, pick_block
-from ringjax.merge import exp_below, finish, finite_or_zero
+from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
 
@@ -110,12 +110,10 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
                 tile = Tile(opts, extras, TokenInfo(qpos[i], _at(qseg, i), _at(qsegpos, i)),
                             TokenInfo(kpos[j], _at(kseg, j), _at(ksegpos, j)), kvh, g)
                 qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kb[j], preferred_element_type=jnp.float32, precision=prec)
-                # one copy of the logits for their max and their exp: XLA on CPU computed them twice, rounded
-                # differently, which a huge softmax_scale turned into rows of zeros (`exp_below`)
-                s = lax.optimization_barrier(tile.logits(logits(qk, opts)))
+                s = tile.logits(logits(qk, opts))
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = finite_or_zero(m_new)
-                p = exp_below(s, m_safe[..., None])  # exactly 0 where masked
+                p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
                 alpha = jnp.exp(m - m_safe)
                 denom = alpha * denom + p.sum(axis=-1)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
@@ -246,7 +244,7 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             s = jnp.where(vis, s, -jnp.inf)
             # split-K: every chunk's max, sum and P V at once, then merged by their max
             m_c = s.max(axis=-1)
-            p = exp_below(s, finite_or_zero(m_c)[..., None])  # exactly 0 where masked
+            p = jnp.exp(s - finite_or_zero(m_c)[..., None])  # exactly 0 where masked
             if config.dots:
                 pv = jnp.einsum("bnhgqc,bnchd->bnhgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32,
                                 precision=prec)
@@ -256,7 +254,7 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             m_new = jnp.maximum(m, m_c.max(axis=1))
             m_safe = finite_or_zero(m_new)
             alpha = jnp.exp(m - m_safe)
-            w = exp_below(m_c, m_safe[:, None])  # [B, nc, KVH, G, t]
+            w = jnp.exp(m_c - m_safe[:, None])  # [B, nc, KVH, G, t]
             denom = alpha * denom + (w * p.sum(axis=-1)).sum(axis=1)
             acc = alpha[..., None] * acc + (w[..., None] * pv).sum(axis=1)
             return j + 1, m_new, denom, acc
