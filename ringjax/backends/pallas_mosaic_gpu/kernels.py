@@ -87,8 +87,9 @@ class _Walk:
     n_ctas: int  # CTAs along the rows
     prefix: bool = False  # the table starts with a range of sink-token blocks visited before [lo, hi)
     # backward with head_dim > 128: both consumers take the same row tile, each accumulates half of the
-    # head_dim (the two float32 accumulators of a whole 256-wide row do not fit a thread's registers);
-    # tiles are stored as two halves [2, rows, d / 2] and the scores sum a wgmma per half
+    # head_dim (the two float32 accumulators of a whole 256-wide row do not fit a thread's registers) and
+    # scores half of each streamed block, handing the other its share (P, dS) through shared memory; tiles
+    # are stored as two halves [2, rows, d / 2] and the scores sum a wgmma per half
     split: bool = False
 
 
@@ -114,11 +115,11 @@ class _Refs:
         return out[0] if n == 1 else out
 
 
-def _transforms(cols: int, dtype):
-    """Tiling + the widest swizzle (128, 64 or 32 bytes) that tiles a row of a [rows, cols] shared-memory
-    tile (what wgmma and TMA want): 96 bf16 columns take 64-byte swizzles."""
+def _transforms(cols: int, dtype, widest: int = 128):
+    """Tiling + the widest swizzle (128, 64 or 32 bytes, at most `widest`) that tiles a row of a [rows, cols]
+    shared-memory tile (what wgmma and TMA want): 96 bf16 columns take 64-byte swizzles."""
     item = jnp.dtype(dtype).itemsize
-    swizzle = next(w for w in (128, 64, 32) if (cols * item) % w == 0)
+    swizzle = next(w for w in (128, 64, 32) if w <= widest and (cols * item) % w == 0)
     return (plgpu.TilingTransform((8, swizzle // item)), plgpu.SwizzleTransform(swizzle))
 
 
@@ -338,17 +339,18 @@ def _drain(steps, stages: int, *free):
             plgpu.barrier_wait(bar.at[lax.rem(i, jnp.int32(stages))])
 
 
-def _stream_smem(stages: int, rows: int, d: int, dtype, split: bool):
-    """Shared-memory slots of a streamed [rows, d] operand: [stages, rows, d], or [stages, 2, rows, d / 2]."""
+def _stream_smem(stages: int, rows: int, d: int, dtype, split: bool, widest: int = 128):
+    """Shared-memory slots of a streamed [rows, d] operand: [stages, rows, d], or [stages, 2, rows, d / 2];
+    swizzled by at most `widest` bytes."""
     if split:
-        return plgpu.SMEM((stages, 2, rows, d // 2), dtype, transforms=_transforms(d // 2, dtype))
-    return plgpu.SMEM((stages, rows, d), dtype, transforms=_transforms(d, dtype))
+        return plgpu.SMEM((stages, 2, rows, d // 2), dtype, transforms=_transforms(d // 2, dtype, widest))
+    return plgpu.SMEM((stages, rows, d), dtype, transforms=_transforms(d, dtype, widest))
 
 
-def _tile_smem(d: int, dtype, split: bool):
+def _tile_smem(d: int, dtype, split: bool, widest: int = 128):
     """The two consumers' [64, d] row tiles, or (split) the two halves of the tile they share."""
     cols = d // 2 if split else d
-    return plgpu.SMEM((2, ROWS, cols), dtype, transforms=_transforms(cols, dtype))
+    return plgpu.SMEM((2, ROWS, cols), dtype, transforms=_transforms(cols, dtype, widest))
 
 
 def _half(rows, walk: _Walk, wg, d: int):
@@ -1091,8 +1093,12 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
     qseg_smem, kseg_smem = r.take(2, has_seg)
     q_bar, k_bar, v_bar, k_free, v_free = r.take(5)
     seg_bar = r.take(1, has_seg)
+    ds_bar = r.take(1, walk.split)
+    if walk.split:  # [block parity, consumer] dS tiles of each half of the keys, in the epilogue's memory
+        ds_smem, o_smem = o_smem
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    half = bk // 2  # split: the keys of a block whose scores each consumer computes
     of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
 
     b, tiles, heads, bounds, _ = _row_tiles_of_cta(walk, of_step(rng_ref, 0), has_seg)
@@ -1130,7 +1136,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             return (*_walk_tile(span, my, step, tuple(acc), walk), base + span.steps)
 
         def visit(base, kstart, kseg_j, i, blk, carry, kind):
-            dq, dslope = carry
+            dq, dslope, n = carry  # n: the blocks computed so far, whose parity picks a split's dS buffer
             slot = lax.rem(base + i, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
@@ -1139,21 +1145,27 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 plgpu.barrier_arrive(v_free.at[slot])
                 return carry
 
-            if walk.split:  # the scores sum the two halves of the head_dim
-                terms = [[(q_smem.at[j], k_smem.at[slot].at[j], True) for j in _parts(wg)],
-                         [(do_smem.at[j], v_smem.at[slot].at[j], True) for j in _parts(wg)]]
+            # split: both consumers share the row tile; each scores its half of the block's keys over both halves
+            # of the head_dim (no score is computed twice), and adds dQ's columns of its head_dim half over all
+            # the keys, its own dS and the other consumer's, met in shared memory
+            keys, cols = (pl.ds(pl.multiple_of(wg * half, half), half), half) if walk.split else ((), bk)
+            if walk.split:
+                terms = [[(q_smem.at[j], k_smem.at[slot].at[j].at[keys], True) for j in _parts(wg)],
+                         [(do_smem.at[j], v_smem.at[slot].at[j].at[keys], True) for j in _parts(wg)]]
             else:
                 terms = [(q_smem.at[wg], k_smem.at[slot], True), (do_smem.at[wg], v_smem.at[slot], True)]
-            s, dp = _mma([_zeros((ROWS, bk)), _zeros((ROWS, bk))], terms, emulate)
+            s, dp = _mma([_zeros((ROWS, cols)), _zeros((ROWS, cols))], terms, emulate)
             plgpu.barrier_arrive(v_free.at[slot])
             pos = None
             if _needs_positions(opts, kind):
-                pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
+                pos = _tile_positions(s.shape, qpos0, kstart[blk] + (wg * half * walk.col_stride if walk.split else 0),
+                                      walk)
             dist = mods.distance(pos)
             s2, t = _scores2(s, opts, dist, mods)
             p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
             if kind == "masked":
-                kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
+                blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bk)
+                kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk_part, size, wg, 0)
                 p = jnp.where(_mask(opts, p.shape, pos, True, qseg, kseg), p, 0.0)
             keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
             if keep is not None:
@@ -1165,26 +1177,49 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
 
-            (dq,) = _mma([dq], [(ds16, k_smem.at[slot].at[wg] if walk.split else k_smem.at[slot], False)], emulate)
+            if not walk.split:
+                (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return dq, dslope, n
+            # a buffer is rewritten two blocks on: by then both consumers have passed the next block's barrier,
+            # so each has read it
+            buf = lax.rem(n, 2)
+            ds_smem.at[buf, wg][...] = ds16
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(ds_bar.at[buf])
+            plgpu.barrier_wait(ds_bar.at[buf])
+            k_cols = k_smem.at[slot].at[wg]
+            (dq,) = _mma([dq], [[(ds_smem.at[buf, j], k_cols.at[pl.ds(pl.multiple_of(j * half, half), half)], False)
+                                 for j in _parts(wg)]], emulate)
             plgpu.barrier_arrive(k_free.at[slot])
-            return dq, dslope
+            return dq, dslope, n + 1
 
         dq_cols = d // 2 if walk.split else d
-        init = (_zeros((ROWS, dq_cols)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None)
-        dq, dslope, _ = sub_steps(source, init)
+        init = (_zeros((ROWS, dq_cols)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None,
+                jnp.int32(0))
+        dq, dslope, n, _ = sub_steps(source, init)
         dq = dq * opts.softmax_scale
+        if walk.split:  # the other consumer has read the dS tiles before the epilogue reuses their memory
+            plgpu.barrier_arrive(ds_bar.at[lax.rem(n, 2)])
+            plgpu.barrier_wait(ds_bar.at[lax.rem(n, 2)])
+            n = n + 1
         _write_rows(dq, o_smem, wg, dq_ref.at[mine])
         if opts.has_alibi:  # lse is in registers: its shared-memory row carries the slope's gradient out
 
-            def write_dslope():
-                lse_smem.at[wg][...] = dslope
+            def write_dslope(total):
+                lse_smem.at[wg][...] = total
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
 
-            if walk.split:  # both consumers hold the same rows' gradient
-                pl.when(wg == 0)(write_dslope)
+            if walk.split:  # each consumer holds the rows' gradient over its half of the keys: consumer 0 sums
+                lse_smem.at[wg][...] = dslope
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_bar.at[lax.rem(n, 2)])
+                plgpu.barrier_wait(ds_bar.at[lax.rem(n, 2)])
+                layout = plgpu.Layout.WGMMA.reduce(1)
+                pl.when(wg == 0)(lambda: write_dslope(dslope + plgpu.load(lse_smem.at[1], layout=layout)))
             else:
-                write_dslope()
+                write_dslope(dslope)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -1223,8 +1258,14 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
     ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
+    # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
+    # both stored them, both have read them
+    stored, read = r.take(2, walk.split)
+    if walk.split:
+        (pt_smem, dst_smem), o_smem = o_smem
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
+    half = bq // 2  # split: the queries of a block whose scores each consumer computes
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
     kvh, cta = lax.axis_index("h"), lax.axis_index("k")
@@ -1289,38 +1330,62 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                             return dk, dv, calls[0] + seen.astype(jnp.int32)
                         return carry
 
-                    if walk.split:  # the scores sum the two halves of the head_dim
-                        halves = [(k_smem.at[j], q_smem.at[slot].at[j], True) for j in _parts(wg)]
-                        (st,) = _mma([_zeros((ROWS, bq))], [halves], emulate)
+                    # split: both consumers share the key tile; each scores its half of the block's queries over
+                    # both halves of the head_dim (no score is computed twice), and adds dK's and dV's columns of
+                    # its head_dim half over all the queries, its own P^T and dS^T and the other consumer's, met in
+                    # shared memory
+                    qs, cols = (pl.ds(pl.multiple_of(wg * half, half), half), half) if walk.split else ((), bq)
+                    if walk.split:
+                        halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
+                        (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
                     else:
                         st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
                     pos = None
-                    if _needs_positions(opts, kind):
-                        pos = _tile_positions(st.shape, kpos0, qstart_ref[blk], walk)  # rows: keys
+                    if _needs_positions(opts, kind):  # rows: keys
+                        qpos0 = qstart_ref[blk] + (wg * half * walk.col_stride if walk.split else 0)
+                        pos = _tile_positions(st.shape, kpos0, qpos0, walk)
                     st2, t = _scores2(st, opts, mods.distance(pos), mods)
-                    lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    lse = plgpu.load(lse_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
                     pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
                     if kind == "masked":
-                        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk, bq, wg, 0)
+                        blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
+                        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
                         pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
                     keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
                     kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                     pt16 = kept.astype(q_ref.dtype)
 
                     if walk.split:
-                        terms = [(pt16, do_smem.at[slot].at[wg], False),
-                                 [(v_smem.at[j], do_smem.at[slot].at[j], True) for j in _parts(wg)]]
+                        (dpt,) = _mma([_zeros((ROWS, cols))],
+                                      [[(v_smem.at[j], do_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]],
+                                      emulate)
                     else:
                         terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
-                    dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
+                        dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
                     if keep is not None:
                         dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
-                    delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if t is not None:
                         dst = dst * cap_slope(t)
                     dst16 = dst.astype(q_ref.dtype)
 
+                    if walk.split:
+                        plgpu.barrier_wait(read.at[0])  # the other consumer has read the last block's tiles
+                        pt_smem.at[wg][...] = pt16
+                        dst_smem.at[wg][...] = dst16
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(stored.at[0])
+                        plgpu.barrier_wait(stored.at[0])
+
+                        def terms(lhs, rhs):  # over both consumers' queries: lhs j times rhs's rows j, columns wg
+                            rows = [pl.ds(pl.multiple_of(j * half, half), half) for j in _parts(wg)]
+                            return [(lhs.at[j], rhs.at[slot].at[wg].at[r], False) for j, r in zip(_parts(wg), rows)]
+
+                        dv, dk = _mma([dv, dk], [terms(pt_smem, do_smem), terms(dst_smem, q_smem)], emulate)
+                        plgpu.barrier_arrive(read.at[0])
+                        plgpu.barrier_arrive(free.at[slot])
+                        return dk, dv
                     if not with_dq:
                         (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)],
                                      emulate)
@@ -1360,7 +1425,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
+            if walk.split:  # nothing to read yet: the first block may store its tiles
+                plgpu.barrier_arrive(read.at[0])
             dk, dv, *_ = lax.fori_loop(0, groups, head, init)
+            if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
+                plgpu.barrier_wait(read.at[0])
             dk = dk * opts.softmax_scale
 
             def write(dk_out, dv_out):
@@ -1539,11 +1608,19 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
     args = _unify([q, k, v, dout, lse2, delta, _per_source([rng for rng, _ in tables], ring is not None),
                    block_starts(q_info, ROWS), kstarts, *segs, *mods, *recv])
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
-    scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split), vec, vec,  # q, dO, lse, delta
-               _stream_smem(walk.stages, bk, d, dt, split), _stream_smem(walk.stages, bk, dv, dt, split),  # K, V
-               _epilogue_smem(max(d, dv), dtype=out_dtype, width=d // 2 if split else d)]
-    if has_seg:
-        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk), jnp.int32)]
+    # split: dQ contracts a consumer's dS over its 32 keys, a wgmma K group of 32 bf16: 64-byte swizzles, which
+    # wgmma wants of both its operands
+    widest = 64 if split else 128
+    epilogue = _epilogue_smem(max(d, dv), dtype=out_dtype, width=d // 2 if split else d)
+    if split:  # the consumers' dS tiles of half a block each, per block parity, where the epilogue writes later
+        epilogue = plgpu.RefUnion(plgpu.SMEM((2, 2, ROWS, bk // 2), dt, transforms=_transforms(bk // 2, dt, widest)),
+                                  epilogue)
+    scratch = [_tile_smem(d, dt, split, widest), _tile_smem(dv, dt, split, widest), vec, vec,  # q, dO, lse, delta
+               _stream_smem(walk.stages, bk, d, dt, split, widest),
+               _stream_smem(walk.stages, bk, dv, dt, split, widest),  # K, V
+               epilogue]
+    if has_seg:  # split: each consumer reads its half of a block's key segments
+        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bk // 2 if split else bk), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
     scratch += [plgpu.Barrier(num_barriers=8),  # q, dO, lse, delta: barrier 2 * i + consumer
                 loaded, loaded,
@@ -1551,6 +1628,8 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
+    if split:  # both consumers stored their dS tiles (or passed the loop's end)
+        scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
     out_type = [_compat.struct_like((b, t, h, d), out_dtype, args[0])]
     if opts.has_alibi:
         out_type.append(_compat.struct_like((b, h, t), jnp.float32, args[0]))
@@ -1588,18 +1667,27 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     kstarts, segs = _key_tables(q_info, k_infos, ROWS, ring is not None)
     args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), kstarts, *segs, *mods])
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
-    scratch = [_tile_smem(d, dt, split), _tile_smem(dv, dt, split),  # K, V
-               _stream_smem(walk.stages, bq, d, dt, split), _stream_smem(walk.stages, bq, dv, dt, split),  # q, dO
-               vec, vec, _epilogue_smem(max(d, dv), dtype=out_dtype,  # lse, delta; dK and dV leave through it
-                                        width=math.gcd(d, dv) // (2 if split else 1))]
-    if has_seg:
-        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq), jnp.int32)]
+    # split: dK and dV contract a consumer's P^T and dS^T over its 32 queries, a wgmma K group of 32 bf16: 64-byte
+    # swizzles, which wgmma wants of both its operands
+    widest = 64 if split else 128
+    epilogue = _epilogue_smem(max(d, dv), dtype=out_dtype, width=math.gcd(d, dv) // (2 if split else 1))
+    if split:  # the consumers' P^T and dS^T over half a block each, where the epilogue writes later
+        part = plgpu.SMEM((2, ROWS, bq // 2), dt, transforms=_transforms(bq // 2, dt, widest))
+        epilogue = plgpu.RefUnion((part, part), epilogue)
+    scratch = [_tile_smem(d, dt, split, widest), _tile_smem(dv, dt, split, widest),  # K, V
+               _stream_smem(walk.stages, bq, d, dt, split, widest),
+               _stream_smem(walk.stages, bq, dv, dt, split, widest),  # q, dO
+               vec, vec, epilogue]  # lse, delta; dK and dV leave through the epilogue's slots
+    if has_seg:  # split: each consumer reads its half of a block's query segments
+        scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq // 2 if split else bq), jnp.int32)]
     loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
     scratch += [plgpu.Barrier(num_barriers=4), loaded, loaded,  # K/V tiles; q, dO
                 plgpu.Barrier(num_barriers=walk.stages), plgpu.Barrier(num_barriers=walk.stages),  # lse, delta
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
+    if split:  # both consumers stored their P^T and dS^T; both have read them
+        scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=1), plgpu.Barrier(num_arrivals=2, num_barriers=1)]
     kv_structs = [_compat.struct_like(x.shape, out_dtype, args[0]) for x in (k, v)]
     if ring is not None:
         ring = _make_ring(ring, len(k_infos), b, "k")
