@@ -75,8 +75,6 @@ class MosaicGpuConfig(KernelConfig):
         seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
         fwd = 2 * ROWS * d * itemsize + self.num_stages * self.block_kv * w + epilogue + 2 * ROWS * 4
         dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 4 * ROWS * 4
-        if max(d, dv) > 128:  # the consumers' dS tiles of half a block each, per block parity, share the epilogue's
-            dq += max(0, 2 * ROWS * self.dq_block_kv * itemsize - epilogue)
         dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
         dkv += epilogue
         if max(d, dv) > 128:  # the consumers' P^T and dS^T over half a block each share the epilogue's memory

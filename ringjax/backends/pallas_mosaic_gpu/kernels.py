@@ -1093,9 +1093,8 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
     qseg_smem, kseg_smem = r.take(2, has_seg)
     q_bar, k_bar, v_bar, k_free, v_free = r.take(5)
     seg_bar = r.take(1, has_seg)
-    ds_bar = r.take(1, walk.split)
-    if walk.split:  # [block parity, consumer] dS tiles of each half of the keys, in the epilogue's memory
-        ds_smem, o_smem = o_smem
+    # split: consumer 1's float32 slot for handing its dQ over; barriers: it handed a piece over, consumer 0 took it
+    hand_smem, hand = r.take(2, walk.split)
 
     bk, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bk // 2  # split: the keys of a block whose scores each consumer computes
@@ -1136,7 +1135,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             return (*_walk_tile(span, my, step, tuple(acc), walk), base + span.steps)
 
         def visit(base, kstart, kseg_j, i, blk, carry, kind):
-            dq, dslope, n = carry  # n: the blocks computed so far, whose parity picks a split's dS buffer
+            dq, dslope = carry
             slot = lax.rem(base + i, jnp.int32(stages))
             plgpu.barrier_wait(k_bar.at[slot])
             plgpu.barrier_wait(v_bar.at[slot])
@@ -1146,7 +1145,8 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 return carry
 
             # split: both consumers share the row tile; each scores its half of the block's keys over both halves
-            # of the head_dim (no score is computed twice), and adds dQ's columns of its head_dim half over all
+            # of the head_dim (no score is computed twice) and adds their share of dQ, both head_dim halves; consumer
+            # 0 sums the two at the end (`hand_over`)
             # the keys, its own dS and the other consumer's, met in shared memory
             keys, cols = (pl.ds(pl.multiple_of(wg * half, half), half), half) if walk.split else ((), bk)
             if walk.split:
@@ -1177,49 +1177,60 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
 
-            if not walk.split:
-                (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
-                plgpu.barrier_arrive(k_free.at[slot])
-                return dq, dslope, n
-            # a buffer is rewritten two blocks on: by then both consumers have passed the next block's barrier,
-            # so each has read it
-            buf = lax.rem(n, 2)
-            ds_smem.at[buf, wg][...] = ds16
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(ds_bar.at[buf])
-            plgpu.barrier_wait(ds_bar.at[buf])
-            k_cols = k_smem.at[slot].at[wg]
-            (dq,) = _mma([dq], [[(ds_smem.at[buf, j], k_cols.at[pl.ds(pl.multiple_of(j * half, half), half)], False)
-                                 for j in _parts(wg)]], emulate)
-            plgpu.barrier_arrive(k_free.at[slot])
-            return dq, dslope, n + 1
-
-        dq_cols = d // 2 if walk.split else d
-        init = (_zeros((ROWS, dq_cols)), _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi else None,
-                jnp.int32(0))
-        dq, dslope, n, _ = sub_steps(source, init)
-        dq = dq * opts.softmax_scale
-        if walk.split:  # the other consumer has read the dS tiles before the epilogue reuses their memory
-            plgpu.barrier_arrive(ds_bar.at[lax.rem(n, 2)])
-            plgpu.barrier_wait(ds_bar.at[lax.rem(n, 2)])
-            n = n + 1
-        _write_rows(dq, o_smem, wg, dq_ref.at[mine])
-        if opts.has_alibi:  # lse is in registers: its shared-memory row carries the slope's gradient out
-
-            def write_dslope(total):
-                lse_smem.at[wg][...] = total
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
-
-            if walk.split:  # each consumer holds the rows' gradient over its half of the keys: consumer 0 sums
-                lse_smem.at[wg][...] = dslope
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ds_bar.at[lax.rem(n, 2)])
-                plgpu.barrier_wait(ds_bar.at[lax.rem(n, 2)])
-                layout = plgpu.Layout.WGMMA.reduce(1)
-                pl.when(wg == 0)(lambda: write_dslope(dslope + plgpu.load(lse_smem.at[1], layout=layout)))
+            if walk.split:  # dQ's halves: this consumer's keys' rows of each half of K
+                dq = tuple(_mma(list(dq), [(ds16, k_smem.at[slot].at[j].at[keys], False) for j in _parts(wg)], emulate))
             else:
+                (dq,) = _mma([dq], [(ds16, k_smem.at[slot], False)], emulate)
+            plgpu.barrier_arrive(k_free.at[slot])
+            return dq, dslope
+
+        dq0 = _zeros((ROWS, d // 2 if walk.split else d))
+        init = ((dq0, dq0) if walk.split else dq0, _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if opts.has_alibi
+                else None)
+        dq, dslope, _ = sub_steps(source, init)
+
+        def write_dslope(total, w=wg):  # lse is in registers: its shared-memory row carries the slope's gradient out
+            lse_smem.at[w][...] = total
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem.at[w], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
+
+        if not walk.split:
+            _write_rows(dq * opts.softmax_scale, o_smem, wg, dq_ref.at[rows])
+            if opts.has_alibi:
                 write_dslope(dslope)
+        else:
+            # each consumer holds the rows' dQ (and slope gradient) over its half of the keys: consumer 1 hands its
+            # own over a piece at a time through shared memory, consumer 0 writes the sums (through its epilogue slot,
+            # whose width the pieces share)
+            width, half_d = hand_smem.shape[-1], dq[0].shape[1]
+
+            def dq_piece(c):
+                x, c0 = dq[c * width // half_d], (c * width) % half_d
+                return x[:, c0:c0 + width] * opts.softmax_scale
+
+            def write_piece(c, x):
+                _write_rows(x, o_smem, 0, dq_ref.at[(*rows, pl.ds(c * width, width))], first=c)
+
+            pieces = [(lse_smem.at[1], lambda: dslope, plgpu.Layout.WGMMA.reduce(1),
+                       functools.partial(write_dslope, w=0))] if opts.has_alibi else []
+            pieces += [(hand_smem, functools.partial(dq_piece, c), plgpu.Layout.WGMMA,
+                        functools.partial(write_piece, c)) for c in range(2 * half_d // width)]
+            for i, (buf, value, layout, write) in enumerate(pieces):
+
+                @pl.when(wg == 1)
+                def _():
+                    if i:
+                        plgpu.barrier_wait(hand.at[1])  # consumer 0 has read the last piece
+                    buf[...] = value()
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(hand.at[0])
+
+                @pl.when(wg == 0)
+                def _():
+                    plgpu.barrier_wait(hand.at[0])
+                    other = plgpu.load(buf, layout=layout)
+                    plgpu.barrier_arrive(hand.at[1])
+                    write(value() + other)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -1611,10 +1622,9 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
     # split: dQ contracts a consumer's dS over its 32 keys, a wgmma K group of 32 bf16: 64-byte swizzles, which
     # wgmma wants of both its operands
     widest = 64 if split else 128
-    epilogue = _epilogue_smem(max(d, dv), dtype=out_dtype, width=d // 2 if split else d)
-    if split:  # the consumers' dS tiles of half a block each, per block parity, where the epilogue writes later
-        epilogue = plgpu.RefUnion(plgpu.SMEM((2, 2, ROWS, bk // 2), dt, transforms=_transforms(bk // 2, dt, widest)),
-                                  epilogue)
+    # split: consumer 0 alone writes dQ out, 32 columns at a time; consumer 1 hands its share over through a float32
+    # slot as wide (together no more than the two consumers' float32 slots `config.smem_bytes` counts)
+    epilogue = _epilogue_smem(max(d, dv), consumers=1 if split else 2, dtype=out_dtype, width=32 if split else d)
     scratch = [_tile_smem(d, dt, split, widest), _tile_smem(dv, dt, split, widest), vec, vec,  # q, dO, lse, delta
                _stream_smem(walk.stages, bk, d, dt, split, widest),
                _stream_smem(walk.stages, bk, dv, dt, split, widest),  # K, V
@@ -1628,8 +1638,9 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
                 plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
-    if split:  # both consumers stored their dS tiles (or passed the loop's end)
-        scratch.append(plgpu.Barrier(num_arrivals=2, num_barriers=2))
+    if split:  # consumer 1 hands its dQ over through a float32 slot: it handed a piece over, consumer 0 took it
+        scratch += [plgpu.SMEM((ROWS, 32), jnp.float32, transforms=_transforms(32, jnp.float32)),
+                    plgpu.Barrier(num_barriers=2)]
     out_type = [_compat.struct_like((b, t, h, d), out_dtype, args[0])]
     if opts.has_alibi:
         out_type.append(_compat.struct_like((b, h, t), jnp.float32, args[0]))
