@@ -88,8 +88,9 @@ class _Walk:
     prefix: bool = False  # the table starts with a range of sink-token blocks visited before [lo, hi)
     # backward with head_dim > 128: both consumers take the same row tile, each accumulates half of the
     # head_dim (the two float32 accumulators of a whole 256-wide row do not fit a thread's registers) and
-    # scores half of each streamed block, handing the other its share (P, dS) through shared memory; tiles
-    # are stored as two halves [2, rows, d / 2] and the scores sum a wgmma per half
+    # scores half of each streamed block (the dK/dV kernel's consumers exchange P^T and dS^T each block through
+    # shared memory, the dQ kernel's sum their dQ once at the end); tiles are stored as two halves
+    # [2, rows, d / 2] and the scores sum a wgmma per half
     split: bool = False
 
 
@@ -1145,9 +1146,8 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
                 return carry
 
             # split: both consumers share the row tile; each scores its half of the block's keys over both halves
-            # of the head_dim (no score is computed twice) and adds their share of dQ, both head_dim halves; consumer
-            # 0 sums the two at the end (`hand_over`)
-            # the keys, its own dS and the other consumer's, met in shared memory
+            # of the head_dim (no score is computed twice) and adds their share of dQ, both head_dim halves;
+            # consumer 0 sums the two after the walk
             keys, cols = (pl.ds(pl.multiple_of(wg * half, half), half), half) if walk.split else ((), bk)
             if walk.split:
                 terms = [[(q_smem.at[j], k_smem.at[slot].at[j].at[keys], True) for j in _parts(wg)],
