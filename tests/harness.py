@@ -163,12 +163,16 @@ def reference_for(x, **kw):
                                alibi_slopes=x.get("alibi_slopes"), dout=x["dout"], dlse=x["dlse"], **ref_kw)
 
 
-def rel_err(got, ref):
+def rel_err(got, ref, terms=None):
+    """|got - ref| / |ref| over the finite entries; `terms`: the magnitudes summed into `ref` where it is a sum whose
+    terms may cancel, against which its error is judged where they exceed it."""
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     finite = np.isfinite(ref)
     assert np.array_equal(finite, np.isfinite(got)), "non-finite entries differ from the reference"
     num = np.linalg.norm(np.where(finite, got, 0.0) - np.where(finite, ref, 0.0))
     den = max(np.linalg.norm(np.where(finite, ref, 0.0)), 1e-30)
+    if terms is not None:
+        den = max(den, np.linalg.norm(terms))
     return num / den
 
 
@@ -185,7 +189,7 @@ def check_against_reference(got, ref, dtype, names=("out", "lse", "dq", "dk", "d
         if name not in ref:
             continue
         assert not np.isnan(got[name]).any(), f"{name} has NaN"
-        err = rel_err(got[name], ref[name])
+        err = rel_err(got[name], ref[name], ref.get(f"{name}_terms"))
         # gradients run through one more matmul chain in low precision
         limit = tol if name in ("out", "lse") or dtype == "float32" else 2 * tol
         assert err < limit, f"{name}: relative error {err:.2e} exceeds {limit:.0e} ({dtype})"

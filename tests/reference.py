@@ -145,4 +145,10 @@ def attention_reference(
             argnums = [i for i, x in enumerate([*args, *extra]) if x is not None]
             grads = jax.grad(loss, argnums=tuple(argnums))(*args, *extra)
             result.update({names[i]: np.asarray(g) for i, g in zip(argnums, grads)})
+            if extra[0] is not None:
+                # d loss / d sink[h] = -sum over (batch, query) of p_sink * (dout . out - dlse): a sum whose terms
+                # may cancel, so its error is judged against the sum of their magnitudes
+                p_sink = jnp.exp(extra[0][None, :, None] - lse)
+                delta = jnp.swapaxes((do64 * out).sum(-1), 1, 2) - dl64
+                result["dsinks_terms"] = np.asarray(jnp.abs(p_sink * delta).sum(axis=(0, 2)))
         return result
