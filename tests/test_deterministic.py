@@ -92,6 +92,22 @@ def test_mosaic_gpu_fused_backward_is_off_when_deterministic():
     assert not fuses_backward(AttentionOptions(causal=True), MosaicGpuConfig(dkv_num_stages=2), 128, 128)
 
 
+@pytest.mark.parametrize("head_dim, fused", [(64, True), (96, False), (128, False), (256, False)])
+def test_mosaic_gpu_heuristic_fuses_the_backward_at_head_dim_64_unless_deterministic(head_dim, fused):
+    """What `auto` runs untuned: the fused backward where it measured faster (head_dim 64), and never under
+    deterministic=True."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import IMPLEMENTATION
+    from ringjax.backends.pallas_mosaic_gpu.kernels import fuses_backward
+    from ringjax.dispatch import registry
+
+    for deterministic in (False, True):
+        opts = AttentionOptions(causal=True, deterministic=deterministic)
+        problem = registry.Problem(opts=opts, batch=1, seq=1024, heads=8, kv_heads=2, head_dim=head_dim,
+                                   dtype="bfloat16", platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+        config = IMPLEMENTATION.default_config(problem)
+        assert fuses_backward(opts, config, head_dim, head_dim) is (fused and not deterministic)
+
+
 def _triton_kernels_launched(monkeypatch, opts, config) -> list[str]:
     """Names of the Pallas calls the Triton `block_bwd` makes for `opts` and `config` (traced, not run)."""
     from ringjax.backends.pallas_triton import kernels
