@@ -575,7 +575,8 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem, cid):
     """Copy CTA `cid` of a fused ring pass: this device's K and V, cut into streamed-block chunks spread over
     the copy CTAs, staged through the stage slots (`loaded`: barriers that no stream waits on, so that the
     stream's barriers keep their phases) and stored by TMA into every destination's receive slot; once every
-    store has landed, each destination's semaphore of that slot is signalled once."""
+    store has landed, each destination's semaphore of that slot is signalled once. Copy CTA 0 then waits
+    until every source's copies into this device have landed."""
     k_ref = kv_refs[0]
     b, s, kvh, _ = k_ref.shape
     stages, bk = smem[0].shape[:2]
@@ -606,6 +607,14 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem, cid):
     plgpu.wait_smem_to_gmem(0)  # landed, not only read: the signal tells the destination it may read
     for dst, slot in dsts if ring.signal else ():
         pl.semaphore_signal(sem.at[slot], device_id={ring.axis_name: dst})
+
+    # Every peer sends into every receive slot here, needed or not (a causal contiguous ring's first device
+    # visits no later source). The kernel must not end while such stores are in flight: XLA hands the
+    # slots' memory to the next op, which they would overwrite (see docs/pallas_mosaic_gpu.md, Copies).
+    @pl.when(cid == 0)
+    def _():
+        for slot in range(ring.steps - 1):
+            pl.semaphore_wait(sem.at[slot], ring.copy_ctas, decrement=False)
 
 
 def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None,
