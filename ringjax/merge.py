@@ -26,6 +26,16 @@ def finite_or_zero(lse):
     return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
 
+def exp_below(s, shift):
+    """exp(s - shift) for a shift at or above every s (a running max, an lse), never above exp(0).
+
+    The min keeps p <= 1, and it stands between the logits' product and the subtraction: XLA fused them
+    into one FMA, whose unrounded product differs from the rounded one that gave the max (by up to 128 at
+    logits near 1e9), so that exp overflowed to inf, then NaN, or the max's own term underflowed to 0.
+    """
+    return jnp.exp(jnp.minimum(s, shift) - shift)
+
+
 def log_sum(m, total, *, base2: bool = False):
     """lse = m + log(total) of a sum of exp(x - m) (exp2 with `base2`); -inf where total = 0 (no key)."""
     seen = total > 0.0

@@ -78,6 +78,18 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
         assert np.isfinite(got[name]).all()
 
 
+@pytest.mark.parametrize("n, dtype", [(1, "float32"), (4, "bfloat16")])
+def test_logits_near_1e9_stay_finite(n, dtype):
+    """softmax_scale 1e8: logits near 1e9, where XLA's two copies of a logit (one FMA-contracted) differed by
+    more than exp can take and the output was NaN. The softmax is one-hot there: out, lse and dV against the
+    reference; dQ and dK scale float32 rounding of (dP - delta) by 1e8, so only their finiteness is checked."""
+    x = make_inputs(41 + n, seq=64, head_dim=64, dtype=dtype)
+    got = run_ring(x, n, layout="zigzag", implementation="xla", config=_small_blocks(), softmax_scale=1e8)
+    check_against_reference(got, reference_for(x, softmax_scale=1e8), dtype, names=("out", "lse", "dv"))
+    for name in ("dq", "dk"):
+        assert np.isfinite(got[name]).all(), name
+
+
 def test_reference_check_can_fail():
     """The comparison detects a wrong result (a dropped key block changes everything)."""
     x = make_inputs(5, seq=32)

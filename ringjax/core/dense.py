@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from ringjax.core.masks import Extras, TokenInfo, visible
 from ringjax.core.modifiers import alibi_distance, dropout_batch_head, dropout_keep, logits_and_slope
 from ringjax.core.precision import DEFAULT, dot_precision
-from ringjax.merge import finite_or_zero
+from ringjax.merge import exp_below, finite_or_zero
 from ringjax.options import AttentionOptions
 
 
@@ -52,7 +52,7 @@ def tile_grads(qi, doi, kj, vj, lse_i, delta_i, tile: Tile, opts: AttentionOptio
     f32 = jnp.float32
     qk = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=f32, precision=prec)
     s, slope = logits_and_slope(qk, opts)
-    p = jnp.exp(tile.logits(s) - lse_i[..., None])  # 0 where masked
+    p = exp_below(tile.logits(s), lse_i[..., None])  # 0 where masked
     dv = jnp.einsum("bhgqk,bhgqd->bhkd", tile.dropped(p, batch).astype(doi.dtype), doi, preferred_element_type=f32,
                     precision=prec)
     dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=f32, precision=prec)

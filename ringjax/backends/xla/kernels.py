@@ -21,7 +21,7 @@ from ringjax.core.modifiers import (
 from ringjax.core.precision import DEFAULT, dot_precision
 from ringjax.core.schedule import reach
 from ringjax.core.tiles import Tiling, block_ranges, pick_block
-from ringjax.merge import finish, finite_or_zero
+from ringjax.merge import exp_below, finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
 
@@ -113,7 +113,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
                 s = tile.logits(logits(qk, opts))
                 m_new = jnp.maximum(m, s.max(axis=-1))
                 m_safe = finite_or_zero(m_new)
-                p = jnp.exp(s - m_safe[..., None])  # exactly 0 where masked
+                p = exp_below(s, m_safe[..., None])  # exactly 0 where masked
                 alpha = jnp.exp(m - m_safe)
                 denom = alpha * denom + p.sum(axis=-1)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", tile.dropped(p, b).astype(v.dtype), vb[j],
@@ -244,7 +244,7 @@ def _cache_block(q, k, v, q_pos, k_pos, k_len, opts: AttentionOptions, extras: E
             s = jnp.where(vis, s, -jnp.inf)
             # split-K: every chunk's max, sum and P V at once, then merged by their max
             m_c = s.max(axis=-1)
-            p = jnp.exp(s - finite_or_zero(m_c)[..., None])  # exactly 0 where masked
+            p = exp_below(s, finite_or_zero(m_c)[..., None])  # exactly 0 where masked
             if config.dots:
                 pv = jnp.einsum("bnhgqc,bnchd->bnhgqd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32,
                                 precision=prec)
