@@ -161,11 +161,16 @@ def _gather_kv(opts, k, v, kv_seg):
     return k_all, v_all, TokenInfo(pos, seg, segpos), order
 
 
-def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out=None):
+def _dtype_kw(out_dtype):
+    """Keyword arguments asking a kernel for its final results in `out_dtype` (None: float32, unasked)."""
+    return {} if out_dtype is None else {"out_dtype": out_dtype}
+
+
+def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype=None):
     """The all-gather schedule: one kernel call of the local queries against every key."""
     q_info = _infos(opts, shard_index(opts), q, q_seg)
     k_all, v_all, k_info, _ = _gather_kv(opts, k, v, kv_seg)
-    return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config, **(out or {}))
+    return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config, **_dtype_kw(out_dtype))
 
 
 def _gather_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
@@ -231,14 +236,15 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     return _without_sinks(opts, plan), q_info, infos, plan.offset
 
 
-def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out=None):
+def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype=None):
     b, t, h, _ = q.shape
     n = opts.axis_size
     shard = shard_index(opts)
     plan = ring_plan(opts, t)
-    # a lone step's output is final: `out` may ask for its dtype (`BlockKernel.final_dtype`)
-    final = (out or {}) if plan.num_steps == 1 and not plan.sink_step else {}
-    out_dtype = final.get("out_dtype", jnp.float32)
+    # a lone step's output is final: it may come in `out_dtype` (`BlockKernel.final_dtype`); merged ones not
+    if plan.num_steps > 1 or plan.sink_step:
+        out_dtype = None
+    step_dtype = jnp.float32 if out_dtype is None else out_dtype
     q_info = _infos(opts, shard, q, q_seg)
     ring_opts = _without_sinks(opts, plan)
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
@@ -251,11 +257,11 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out=None
         k_info = TokenInfo(_positions(opts, src, t), seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
-            o, lse_s = kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config, **final)
-            return o.astype(out_dtype), lse_s  # a kernel may keep float32 where it cannot write out_dtype
+            o, lse_s = kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config, **_dtype_kw(out_dtype))
+            return o.astype(step_dtype), lse_s  # a kernel may keep float32 where it cannot write out_dtype
 
         def empty(k_cur=k_cur):
-            zero = _compat.match_vma(jnp.zeros((b, t, h, v.shape[3]), out_dtype), q, k_cur)
+            zero = _compat.match_vma(jnp.zeros((b, t, h, v.shape[3]), step_dtype), q, k_cur)
             return zero, _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), q, k_cur)
 
         o, lse_s = _run_step(ring_opts, kernel, q_info, k_info, compute, empty)
@@ -319,13 +325,13 @@ def _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=
 
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
     # where no learnable sinks rescale it, one call's output is final and may come in q's dtype
-    final = {"out_dtype": q.dtype} if kernel.final_dtype and sinks is None else None
+    out_dtype = q.dtype if kernel.final_dtype and sinks is None else None
     if opts.gather_kv:
-        out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, final)
+        out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype)
     elif kernel.ring_fwd is not None:
-        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, **(final or {}))
+        out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, **_dtype_kw(out_dtype))
     else:
-        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, final)
+        out, lse = _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     out = out.astype(q.dtype)
@@ -368,7 +374,6 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     plan = ring_plan(opts, t)
     # a lone step's gradients are final: they may come in the inputs' dtype (`BlockKernel.final_dtype`)
     final = final and plan.num_steps == 1 and not plan.sink_step
-    out = {"out_dtype": q.dtype} if final else {}
     grad_dtype = q.dtype if final else jnp.float32
     ring_opts = _without_sinks(opts, plan)
     q_info = _infos(opts, shard, q, q_seg)
@@ -383,7 +388,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             *grads, dsl = kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config,
-                                     **out)
+                                     **_dtype_kw(q.dtype if final else None))
             return (*(g.astype(grad_dtype) for g in grads), dsl)
 
         def empty(k_cur=k_cur):
