@@ -547,7 +547,7 @@ def test_fused_ring_broken_handshake_hangs_and_is_stopped(broken):
 def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments, persistent):
     """The fused forward ring is one Mosaic GPU kernel (persistent, or a CTA per row tile) and no collective
     (segment ids: one all-gather); its gradient adds one dK/dV kernel and one dQ kernel over every source,
-    and no collective either."""
+    and no collective either; dQ comes in bf16."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import FUSED_KERNEL, _jax_refusal
     from ringjax.core.ring import ring_attention_shard
 
@@ -582,6 +582,9 @@ def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments, persistent):
     assert fwd.count("all_gather") == (2 if segments else 0)  # segment ids and their offsets, once
     bwd = lowered(grads, spec)
     assert bwd.count("stablehlo.custom_call @mosaic_gpu") == 3  # forward, dK/dV, dQ
+    # dQ sums every source in the kernel: final, it comes in the inputs' dtype (no float32 store and cast)
+    kernels = [line for line in bwd.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+    assert [line.endswith("-> tensor<1x512x4x128xbf16>") for line in kernels] == [False, False, True]
     assert bwd.count("collective_permute") == 0
     assert bwd.count("all_gather") == (4 if segments else 0)  # the forward's and the backward's
 

@@ -44,10 +44,10 @@ class BlockKernel:
       ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
       ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
         -> (dq, dk, dv, d alibi_slopes or None), float32.
-    `final_dtype`: fwd, ring_fwd and bwd also take `out_dtype=`; where no merge follows a call (forward: one
-    step, the all-gather's one call, ring_fwd, and no learnable sinks to rescale it; backward: one step) the
-    ring asks for the inputs' dtype, which spares the float32 stores and the casts after them. A kernel
-    may still return float32 (the ring casts).
+    `final_dtype`: fwd, ring_fwd, bwd and ring_bwd also take `out_dtype=`; where no merge follows a call
+    (forward: one step, the all-gather's one call, ring_fwd, and no learnable sinks to rescale it; backward:
+    one step, ring_bwd) the ring asks for the inputs' dtype, which spares the float32 stores and the casts
+    after them. A kernel may still return float32 (the ring casts).
     """
 
     name: str
@@ -354,7 +354,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
     if opts.gather_kv:
         ring_bwd = functools.partial(_gather_backward, kernel)
     elif kernel.ring_bwd is not None:
-        ring_bwd = kernel.ring_bwd
+        ring_bwd = functools.partial(kernel.ring_bwd, **_dtype_kw(q.dtype if kernel.final_dtype else None))
     else:
         ring_bwd = functools.partial(_ring_backward, kernel, final=kernel.final_dtype)
     dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)

@@ -43,12 +43,12 @@ def _ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, signal: bool = True,
                           config, signal=signal, **out)
 
 
-def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, signal: bool = True):
+def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, signal: bool = True, **out):
     from ringjax.backends.pallas_mosaic_gpu.kernels import fused_ring_bwd
 
     step_opts, q_info, k_infos, local = ring_sources(opts, q, q_seg, kv_seg)
     return fused_ring_bwd(q, k, v, dout, lse, delta, q_info, k_infos, opts.axis_name, opts.axis_size, local, extras,
-                          step_opts, config, signal=signal)
+                          step_opts, config, signal=signal, **out)
 
 
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True, final_dtype=True)

@@ -1587,18 +1587,19 @@ def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, o
 
 def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,
                    axis_size: int, local: int, extras: Extras, opts: AttentionOptions, config: MosaicGpuConfig,
-                   signal: bool = True):
+                   signal: bool = True, out_dtype=jnp.float32):
     """The backward of `fused_ring_fwd`: one dK/dV kernel over every source, which copies this device's K/V to
     the others while it computes on its own, and stores the dK/dV partials of each other source into its
     owner's receive slots (remote TMA, semaphores); then one dQ kernel over every source, on the K/V it received.
-    Returns (dq, dk, dv, d alibi_slopes or None), float32. Head_dims up to 128 (`supports_fused_bwd`)."""
+    Returns (dq, dk, dv, d alibi_slopes or None): dq in `out_dtype` (final: the dQ kernel sums every source in
+    registers), the others float32. Head_dims up to 128 (`supports_fused_bwd`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     ring = (axis_name, axis_size, local, signal)
     dk, dv, k_recv, v_recv, dk_in, dv_in = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_infos, mods, opts,
                                                        config, ring=ring)
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_infos, mods, opts, config, ring=ring,
-                            recv=(k_recv, v_recv))
+                            recv=(k_recv, v_recv), out_dtype=out_dtype)
     # the owners sum in slot order: the same bits run to run
     dk, dv = dk + dk_in.sum(axis=0), dv + dv_in.sum(axis=0)
     return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
