@@ -164,6 +164,32 @@ def timed(attn, inputs, flops: float, args, devices: int = 1, reports: list | No
     return {**picked(log), **timing}, out
 
 
+def one_device_by_gpu(implementation: str, causal: bool, inputs, flops: float, args, devices: int):
+    """The same total work on one GPU, timed on each of the first `devices` GPUs in turn: (rates per GPU,
+    the first GPU's forward output). A ring runs at its slowest member's pace and GPUs of one host differ
+    by a few percent, so the suites report ratios against the first GPU and against the slowest."""
+    by_gpu, first = [], None
+    for device in jax.devices()[:devices]:
+        placed = [jax.device_put(x, device) for x in inputs]
+        timing, out = timed(ringjax_attention(implementation, causal), placed, flops, args)
+        by_gpu.append({"device": device.id, **timing})
+        first = out if first is None else first
+        del placed
+    return by_gpu, first
+
+
+def slowest(by_gpu: list[dict]) -> dict:
+    """Per mode, the lowest TFLOP/s (and its time) among `one_device_by_gpu`'s GPUs."""
+    out = {}
+    for mode in MODES:
+        runs = [t for t in by_gpu if t.get(f"{mode}_tflops")]
+        if runs:
+            worst = min(runs, key=lambda t: t[f"{mode}_tflops"])
+            out.update({f"{mode}_tflops": worst[f"{mode}_tflops"], f"{mode}_ms": worst.get(f"{mode}_ms"),
+                        f"{mode}_device": worst["device"]})
+    return out
+
+
 def candidates_timed(report, chosen: dict, options: dict, inputs, flops: float, args) -> dict:
     """Every implementation `auto` considered and could run, timed beside its prediction: {"candidates":
     {name: times and predicted times}, "auto_vs_fastest": the fastest fwd+bwd over auto's, "predicted_error":
@@ -290,7 +316,7 @@ def step_variants(args, rec: Recorder, case: dict, inputs, flops: float, referen
 
 
 def run_ring(args, rec: Recorder):
-    """The zigzag causal ring over N devices vs the same total work on one device (ringjax, cuDNN)."""
+    """The zigzag causal ring over N devices vs the same total work on one device (ringjax on each GPU, cuDNN)."""
     shape, n = args.shape, args.devices
     mesh = make_mesh((n,), ("sp",))
     itemsize = jnp.dtype(shape.dtype).itemsize
@@ -311,7 +337,8 @@ def run_ring(args, rec: Recorder):
                                          inputs, flops, args, devices=n)
             one = [natural(x, n) for x in inputs]
             del inputs
-            own, own_out = timed(ringjax_attention(args.implementation, True), one, flops, args)
+            own_by_gpu, own_out = one_device_by_gpu(args.implementation, True, one, flops, args, n)
+            own, own_slowest = own_by_gpu[0], slowest(own_by_gpu)
             check = errors(natural(ring_out, n), own_out)
             if fused_out is not None:
                 fused = {"fused": fused, "fused_rel_err": errors(natural(fused_out, n), own_out)["rel_err"]}
@@ -319,13 +346,16 @@ def run_ring(args, rec: Recorder):
             cudnn = timed_other("cudnn", True, one, flops, args)
             if fused:
                 fused.update(fused_over_one_device=ratios(fused["fused"], own),
+                             fused_over_slowest_one_device=ratios(fused["fused"], own_slowest),
                              fused_over_cudnn=ratios(fused["fused"], cudnn))
             del one
         except Exception as e:  # noqa: BLE001 - e.g. out of memory at the largest size
             rec.add(case, error=failure(e))
             continue
         rec.add(case, implementation=ring["implementation"], ring=ring, one_device=own, cudnn=cudnn,
-                ring_over_one_device=ratios(ring, own), ring_over_cudnn=ratios(ring, cudnn), **fused,
+                one_device_by_gpu=own_by_gpu, slowest_one_device=own_slowest,
+                ring_over_one_device=ratios(ring, own), ring_over_slowest_one_device=ratios(ring, own_slowest),
+                ring_over_cudnn=ratios(ring, cudnn), **fused,
                 kv_bytes_per_step=kv_elements * itemsize,
                 # backward steps carry the float32 dK, dV accumulators beside K and V
                 kv_bytes_per_step_bwd=kv_elements * (itemsize + 4), **check)
@@ -342,7 +372,8 @@ def strategy_mesh(strategy: str, devices: int):
 
 
 def run_strategies(args, rec: Recorder):
-    """Every context-parallel strategy on global arrays over N devices; outputs checked against the ring's."""
+    """Every context-parallel strategy on global arrays over N devices, outputs checked against the ring's,
+    and each against `--implementation` on the whole sequence on one GPU (timed on each GPU, first)."""
     n = args.devices
     strategies = [s for s in STRATEGIES if s != "hybrid" or (n >= 4 and n % 2 == 0)]
     kv_heads = [args.shape.heads] * (args.mha and args.shape.heads != args.shape.kv_heads) + [args.shape.kv_heads]
@@ -350,6 +381,13 @@ def run_strategies(args, rec: Recorder):
         shape, t = dataclasses.replace(args.shape, kv_heads=kvh), n * tp
         ring_mesh = make_mesh((n,), ("sp",))
         inputs = random_inputs(shape, t, NamedSharding(ring_mesh, P(None, "sp")))
+        flops = shape.flops(t, args.causal)
+        try:
+            own_by_gpu, _ = one_device_by_gpu(args.implementation, args.causal, inputs, flops, args, n)
+            own = {"one_device": own_by_gpu[0], "one_device_by_gpu": own_by_gpu,
+                   "slowest_one_device": slowest(own_by_gpu)}
+        except Exception as e:  # noqa: BLE001 - e.g. the whole sequence does not fit one GPU
+            own = {"one_device_error": failure(e)}
         ring_out = None  # ring runs first: the others are checked against its output
         for strategy in strategies:
             case = {"devices": n, "tokens_per_device": tp, "T": t, "strategy": strategy, "layout": args.layout,
@@ -363,7 +401,7 @@ def run_strategies(args, rec: Recorder):
 
             try:
                 placed = jax.device_put(inputs, NamedSharding(mesh, P(None, axis)))
-                timing, out = timed(attn, placed, shape.flops(t, args.causal), args, devices=n)
+                timing, out = timed(attn, placed, flops, args, devices=n)
                 del placed
                 if strategy == "ring":
                     ring_out = jax.device_put(out, jax.devices()[0])
@@ -375,7 +413,9 @@ def run_strategies(args, rec: Recorder):
                 timing["note"] = "ringjax logged no strategy choice"
             if strategy in ("ulysses", "hybrid"):  # rows before 2026-11-26 ran Ulysses unsorted and lack this
                 timing["sort_tokens"] = spread.bind(strategy, axis, dict(mesh.shape)).sort_tokens
-            rec.add(case, **timing, **check)
+            vs = ({"over_one_device": ratios(timing, own["one_device"]),
+                   "over_slowest_one_device": ratios(timing, own["slowest_one_device"])} if "one_device" in own else {})
+            rec.add(case, **timing, **check, **vs, **own)
         del inputs, ring_out
 
 
@@ -757,6 +797,7 @@ def over_split_ms(row, timing: dict, mode: str):
 
 def table_ring(rows):
     fused = any("fused" in r for r in rows)  # runs with --fused
+    by_gpu = any("slowest_one_device" in r for r in rows)
     body = []
     for r in rows:
         if "ring" not in r:
@@ -774,6 +815,9 @@ def table_ring(rows):
             body[-1] += [tflops(f, "fwd") if f else "—", tflops(f, "fwd_bwd") if f else "—", f_own.get("fwd"),
                          f_own.get("fwd_bwd"), over_split_ms(r, f, "fwd") if f else "—",
                          over_split_ms(r, f, "fwd_bwd") if f else "—"]
+        if by_gpu:  # the one-GPU baseline timed on every GPU of the ring (rows since 2026-11-27)
+            worst = r.get(f"{'fused' if fused else 'ring'}_over_slowest_one_device") or {}
+            body[-1] += [worst.get("fwd"), worst.get("fwd_bwd")]
     head = ["devices", "tokens/device", "total T", "implementation", "ring fwd TFLOP/s/device", "ring fwd+bwd",
             "one device fwd", "one device fwd+bwd", "cuDNN fwd", "cuDNN fwd+bwd", "ring/one fwd", "ring/one fwd+bwd",
             "ring/cuDNN fwd", "ring/cuDNN fwd+bwd", "K/V MiB per step fwd", "bwd", "copies ms fwd",
@@ -781,10 +825,14 @@ def table_ring(rows):
     if fused:
         head += ["fused fwd", "fused fwd+bwd", "fused/one fwd", "fused/one fwd+bwd", "fused over split ms fwd",
                  "fused over split ms fwd+bwd"]
+    if by_gpu:
+        which = "fused" if fused else "ring"
+        head += [f"{which}/slowest GPU fwd", f"{which}/slowest GPU fwd+bwd"]
     return markdown_table(head, body)
 
 
 def table_strategies(rows):
+    against_one = any("over_one_device" in r for r in rows)
     body = []
     for r in rows:
         c = r["case"]
@@ -794,9 +842,13 @@ def table_strategies(rows):
         body.append([kilo(c["tokens_per_device"]), f"{c['heads']}/{c['kv_heads']}", strategy,
                      r.get("implementation"), r.get("fwd_ms"), r.get("fwd_tflops"), r.get("fwd_bwd_ms"),
                      r.get("fwd_bwd_tflops"), r.get("rel_err_vs_ring")])
+        if against_one:  # rows since 2026-11-27 evening
+            one, worst = r.get("over_one_device") or {}, r.get("over_slowest_one_device") or {}
+            body[-1] += [one.get("fwd"), one.get("fwd_bwd"), worst.get("fwd"), worst.get("fwd_bwd")]
     return markdown_table(["tokens/device", "heads q/kv", "strategy", "implementation", "fwd ms",
-                           "fwd TFLOP/s/device", "fwd+bwd ms", "fwd+bwd TFLOP/s/device", "rel err vs ring"],
-                          body)
+                           "fwd TFLOP/s/device", "fwd+bwd ms", "fwd+bwd TFLOP/s/device", "rel err vs ring"]
+                          + (["/ one GPU fwd", "/ one GPU fwd+bwd", "/ slowest GPU fwd", "/ slowest GPU fwd+bwd"]
+                             if against_one else []), body)
 
 
 def table_coverage(rows):

@@ -78,6 +78,11 @@ def check_ring(rows):
         tp, c = r["case"]["tokens_per_device"], r["case"]
         assert r["ring"]["fwd_tflops"] > 0 and r["one_device"]["fwd_bwd_tflops"] > 0
         assert r["ring_over_one_device"]["fwd"] > 0 and r["ring_over_cudnn"]["fwd"] is None
+        # the one-device baseline ran on every device of the ring; the slowest is the one ratios also use
+        assert [g["device"] for g in r["one_device_by_gpu"]] == list(range(c["devices"]))  # CPU devices 0..N-1
+        worst = min(g["fwd_bwd_tflops"] for g in r["one_device_by_gpu"])
+        assert r["slowest_one_device"]["fwd_bwd_tflops"] == worst <= r["one_device"]["fwd_bwd_tflops"]
+        assert r["ring_over_slowest_one_device"]["fwd_bwd"] >= r["ring_over_one_device"]["fwd_bwd"]
         assert r["kv_bytes_per_step"] == 2 * c["batch"] * tp * c["kv_heads"] * c["head_dim"] * 2
         assert r["rel_err"] < BF16_ERR  # the ring's output, back in token order, against one device's
         assert "skipped" in r["cudnn"]
@@ -91,6 +96,11 @@ def check_strategies(rows):
         assert r["rel_err_vs_ring"] < 1e-2  # every strategy computes the ring's attention
         # what the predictions replay (`spread.Strategy.sort_tokens`): recorded where there is an all-to-all
         assert r.get("sort_tokens") is (True if r["case"]["strategy"] in ("ulysses", "hybrid") else None)
+        # against the same work on one device, timed on each device of the run
+        assert len(r["one_device_by_gpu"]) == r["case"]["devices"]
+        assert r["over_one_device"]["fwd_bwd"] == pytest.approx(
+            r["fwd_bwd_tflops"] / r["one_device"]["fwd_bwd_tflops"], rel=1e-2)
+        assert r["over_slowest_one_device"]["fwd"] >= r["over_one_device"]["fwd"]
     assert by["auto"]["chosen"] in by and "chose" in by["auto"]["reason"]
 
 
