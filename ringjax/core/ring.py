@@ -375,6 +375,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     # a lone step's gradients are final: they may come in the inputs' dtype (`BlockKernel.final_dtype`)
     final = final and plan.num_steps == 1 and not plan.sink_step
     grad_dtype = q.dtype if final else jnp.float32
+    dtype_kw = _dtype_kw(q.dtype if final else None)
     ring_opts = _without_sinks(opts, plan)
     q_info = _infos(opts, shard, q, q_seg)
     alibi = extras.alibi_slopes is not None
@@ -388,7 +389,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             *grads, dsl = kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config,
-                                     **_dtype_kw(q.dtype if final else None))
+                                     **dtype_kw)
             return (*(g.astype(grad_dtype) for g in grads), dsl)
 
         def empty(k_cur=k_cur):
