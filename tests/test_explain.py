@@ -135,29 +135,48 @@ def test_predictions_reproduce_the_measurements(want, pattern, shipped):
 
 
 def test_the_per_row_term_follows_the_longest_walk():
-    """A line's per-row term grows with the keys one query row walks (`costs.reach_fraction`), which documents,
-    windows and chunks bound. Priced per row, four 8K documents packed in a 32K call (measured 16.4 ms fwd+bwd
-    on one H100, jax 0.11.2, 2026-11-27, 4 x the 8K call's 4.2) were predicted at 10.3 ms with every fitted
-    factor, and the window, chunk and segment factors fitted to 0.0001-0.4 (the per-row term took their time);
-    now each factor is at least 1 and four 8K documents cost about four 8K calls."""
-    causal = AttentionOptions(causal=True)
-    assert costs.reach_fraction(causal, 8192) == 1.0
-    assert costs.reach_fraction(AttentionOptions(causal=True, axis_size=4), 2048) == 1.0  # a ring's step
-    assert costs.reach_fraction(AttentionOptions(causal=True, window=(1023, 0)), 8192) == 1024 / 8192
-    assert costs.reach_fraction(AttentionOptions(causal=True, window=(1023, 0), num_sink_tokens=4),
-                                8192) == 1028 / 8192
-    assert costs.reach_fraction(AttentionOptions(causal=True, chunk_size=2048), 32768) == 1 / 16
+    """A line's per-row term is paid a quarter always and the rest by the keys one query row walks
+    (`costs.row_share`), which documents, windows and chunks bound. Priced in full per row, four 8K documents
+    packed in a 32K call (16.4 ms fwd+bwd on one H100, jax 0.11.2, 2026-11-27, 4 x the 8K call's 4.2) were
+    predicted at 10.3 ms with every fitted factor, and the window, chunk and segment factors fitted to 0.0001-0.4
+    (the per-row term took their time); now each is near 1 and four 8K documents cost about four 8K calls."""
+    def share(walk):
+        return costs.ROW_FLOOR + (1 - costs.ROW_FLOOR) * walk
+
+    assert costs.row_share(AttentionOptions(causal=True), 8192) == 1.0
+    assert costs.row_share(AttentionOptions(causal=True, axis_size=4), 2048) == 1.0  # a ring's step
+    assert costs.row_share(AttentionOptions(causal=True, window=(1023, 0)), 8192) == share(1024 / 8192)
+    assert costs.row_share(AttentionOptions(causal=True, window=(1023, 0), num_sink_tokens=4),
+                           8192) == share(1028 / 8192)
+    assert costs.row_share(AttentionOptions(causal=True, chunk_size=2048), 32768) == share(1 / 16)
     packed = AttentionOptions(causal=True, has_segments=True)
-    assert costs.reach_fraction(packed, 32768, ((8192, 8192, 16384),)) == 0.5  # the longest document
-    assert costs.reach_fraction(packed, 32768, ((8192,) * 4, (4096,) * 8)) == 0.25  # of any batch row
+    assert costs.row_share(packed, 32768, ((8192, 8192, 16384),)) == share(0.5)  # the longest document
+    assert costs.row_share(packed, 32768, ((8192,) * 4, (4096,) * 8)) == share(0.25)  # of any batch row
     calibration = costs.load(H100)
     rates = calibration.rates_for("pallas_mosaic_gpu", "bfloat16")
     for name in ("segment_ids", "sliding_window", "chunk_size", "num_sink_tokens", "chunk_size_segments"):
-        assert min(rates.features[name].values()) >= 1.0, name
+        assert 0.8 < min(rates.features[name].values()) <= max(rates.features[name].values()) < 1.5, name
     one = costs.predict(calibration, "pallas_mosaic_gpu", _problem(seq=8192))
     four = costs.predict(calibration, "pallas_mosaic_gpu", dataclasses.replace(
         _problem(seq=32768), opts=packed, documents=costs.equal_documents(4, 32768)))
     assert 3.2 < four.fwd_bwd_s / one.fwd_bwd_s < 4.8
+
+
+@pytest.mark.parametrize("path", [f"benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-11-28_coverage_{sizes}.jsonl"
+                                  for sizes in ("window256_chunk8192", "window4096_chunk512")])
+def test_masks_of_other_sizes_follow_the_measurements(path):
+    """Windows of 256 and 4096, chunks of 512 and 8192 (with and without 4 documents) and sink tokens on those
+    windows at 8K, 16K and 32K causal on one H100 (jax 0.11.2, 2026-11-28; checks/, not fitted): the calibration
+    was fitted at window 1024 and chunk 2048 only. fwd+bwd within 30% on every case and 10% at the median
+    (the model of 2026-11-27, the per-row term in full and every mask's factor fitted at those sizes: up to 131%
+    off, median 51-56%)."""
+    calibration = costs.load(H100)
+    errors = []
+    for line in open(path):
+        row = calibrate.kernel_row(json.loads(line), path)
+        found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
+        errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
+    assert len(errors) == 15 and max(errors) < 0.3 and np.median(errors) < 0.1, errors
 
 
 def test_coverage_candidates_judge_the_shipped_calibration():

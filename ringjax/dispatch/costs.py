@@ -10,14 +10,15 @@ module fits rates to them and predicts:
   v_head_dim) FLOPs forward (QK^T over q/k's head_dim, PV over v's) and 3.5x that forward + backward
   (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + row_s * rows + work / rate (rows: batch x
-  queries x heads x head_dim, times the longest walk of a query row over the call's keys, `reach_fraction`: a
-  packed document, a window or a chunk bounds it; row_s only where lengths spanning 8x were measured, then
-  fitted on the relative errors; the forward's fixed terms capped at the forward+backward's), fitted to the
-  plain rows, causal and not causal apart; calls: one per ring step (a fused ring's pass is one launch), the
-  rate scaled by the measured head_dim nearest to the problem's and slowed by each feature's measured factor;
-  a head_dim or feature one implementation was not measured at borrows the geometric mean of the factors
-  measured for the others (a kernel's relative cost of a feature is closer to its peers' than to nothing; a
-  feature's at least 1), and one nobody measured is priced as plain; the prediction says which;
+  queries x heads x head_dim, times `row_share`: a quarter, and the rest by the longest walk of a query row
+  over the call's keys, which a packed document, a window or a chunk bounds; row_s only where lengths spanning
+  8x were measured, then fitted on the relative errors; the forward's fixed terms capped at the
+  forward+backward's), fitted to the plain rows, causal and not causal apart; calls: one per ring step (a
+  fused ring's pass is one launch), the rate scaled by the measured head_dim nearest to the problem's and
+  slowed by each feature's measured factor; a head_dim or feature one implementation was not measured at
+  borrows the geometric mean of the factors measured for the others (a kernel's relative cost of a feature is
+  closer to its peers' than to nothing; a feature's at least 1), and one nobody measured is priced as plain;
+  the prediction says which;
 - packed segments: the visible pairs counted within each document where the problem knows them
   (`Problem.documents`: concrete segment ids when the call was traced, `explain --documents`, calibration
   rows' equal documents), their measured factors on top; traced ids are priced as if no block were skipped.
@@ -233,26 +234,32 @@ def kernel_flops(problem: Problem) -> tuple[float, float]:
 
 
 def row_units(problem: Problem) -> float:
-    """batch x queries x heads x head_dim of one kernel call (q's and v's head_dims averaged), times
-    `reach_fraction`: what a line's per-row term prices grows with the longest walk of one query row."""
+    """batch x queries x heads x head_dim of one kernel call (q's and v's head_dims averaged), times `row_share`."""
     return (problem.batch * problem.seq * problem.heads * (problem.head_dim + problem.v_head_dim) / 2
-            * reach_fraction(problem.opts, problem.seq, known_documents(problem)))
+            * row_share(problem.opts, problem.seq, known_documents(problem)))
+
+
+# the share of a causal line's per-row term that does not shrink with the walk of a query row (see `row_share`)
+ROW_FLOOR = 0.25
 
 
 @functools.lru_cache(maxsize=256)
-def reach_fraction(opts, seq: int, documents: tuple[tuple[int, ...], ...] | None = None) -> float:
-    """The most keys one query sees (over the whole axis, within its document where `documents` are known)
-    over the `seq` keys of one kernel call, at most 1. A causal kernel's time is not affine in its FLOPs: fitted
-    from 1K to 32K tokens its per-row term is a quarter of an 8K call. It behaves as a tail that grows with
-    the longest row, not with the rows: on one H100 (jax 0.11.2, 2026-11-27) 4 documents of 8K packed in 32K
-    took 16.4 ms fwd+bwd, 4 x 4.2 ms of the 8K call, where a term per row priced 10.3 ms with every fitted
-    factor; windows and chunks likewise see a fixed number of keys per row at any length."""
+def row_share(opts, seq: int, documents: tuple[tuple[int, ...], ...] | None = None) -> float:
+    """The share of a line's per-row term a call pays: ROW_FLOOR always, the rest in proportion to the most keys
+    one query sees (over the whole axis, within its document where `documents` are known) over the call's `seq`
+    keys, at most 1. A causal kernel's time is not affine in its FLOPs: fitted from 1K to 32K tokens its per-row
+    term is a quarter of an 8K call, and it behaves as a fixed cost per query and key block plus a tail that
+    grows with the longest walk. Measured on one H100 (jax 0.11.2, 2026-11-27/28; windows 256 to 4096, chunks
+    512 to 8192, 4 documents, 8K to 32K), masks that bound the walk left 25-80% of the term, never less: priced
+    in full per row, four 8K documents in 32K (16.4 ms fwd+bwd, 4 x the 8K call) were predicted 37% low with
+    every fitted factor and the window, chunk and segment factors fitted to 0.0001-0.4; priced by the walk
+    alone, windows of 256 and chunks of 512 read 35-50% low."""
     if documents is not None:
         most = max(int(_packed_keys(opts, row).max(initial=0)) for row in documents)
     else:
         length = seq * opts.axis_size
         most = int(_visible_keys(opts, np.arange(length, dtype=np.int64), length).max(initial=0))
-    return min(1.0, most / seq)
+    return ROW_FLOOR + (1 - ROW_FLOOR) * min(1.0, most / seq)
 
 
 def calls(problem: Problem) -> int:
