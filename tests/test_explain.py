@@ -162,12 +162,24 @@ def test_the_per_row_term_follows_the_longest_walk():
     assert 3.2 < four.fwd_bwd_s / one.fwd_bwd_s < 4.8
 
 
+def test_sink_tokens_cost_their_block():
+    """A query whose walk starts past the first key block visits the sink tokens' block whole
+    (`core/visits.sink_range_table`): the kernels compute SINK_BLOCK keys there for the 4 the sinks show. Counted
+    as 4, a window of 256 with sinks read 29% low and one of 4096 28% high (the factor fitted at 1024)."""
+    opts = AttentionOptions(causal=True, window=(255, 0), num_sink_tokens=4)
+    first = 255 + costs.SINK_BLOCK  # the first query whose window starts past the first block
+    hidden = (8192 - first) * (costs.SINK_BLOCK - 4)
+    assert costs.visited_pairs(opts, 8192) == costs.visible_pairs(opts, 8192) + hidden
+    assert costs.visited_pairs(AttentionOptions(causal=True, num_sink_tokens=4), 8192) == costs.visible_pairs(
+        AttentionOptions(causal=True, num_sink_tokens=4), 8192)  # no window: the sinks are in every walk
+
+
 @pytest.mark.parametrize("path", [f"benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-11-28_coverage_{sizes}.jsonl"
                                   for sizes in ("window256_chunk8192", "window4096_chunk512")])
 def test_masks_of_other_sizes_follow_the_measurements(path):
     """Windows of 256 and 4096, chunks of 512 and 8192 (with and without 4 documents) and sink tokens on those
     windows at 8K, 16K and 32K causal on one H100 (jax 0.11.2, 2026-11-28; checks/, not fitted): the calibration
-    was fitted at window 1024 and chunk 2048 only. fwd+bwd within 30% on every case and 10% at the median
+    was fitted at window 1024 and chunk 2048 only. fwd+bwd within 20% on every case and 10% at the median
     (the model of 2026-11-27, the per-row term in full and every mask's factor fitted at those sizes: up to 131%
     off, median 51-56%)."""
     calibration = costs.load(H100)
@@ -176,7 +188,7 @@ def test_masks_of_other_sizes_follow_the_measurements(path):
         row = calibrate.kernel_row(json.loads(line), path)
         found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
         errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
-    assert len(errors) == 15 and max(errors) < 0.3 and np.median(errors) < 0.1, errors
+    assert len(errors) == 15 and max(errors) < 0.21 and np.median(errors) < 0.1, errors
 
 
 def test_coverage_candidates_judge_the_shipped_calibration():

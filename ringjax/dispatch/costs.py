@@ -6,7 +6,8 @@ precision, shape, features; forward and forward+backward milliseconds) and colle
 module fits rates to them and predicts:
 
 - work: the visible (query, key) pairs of the slowest device, counted exactly from the mask rules
-  (causal, window, chunks, sink tokens, layout, ring size), times 2 * batch * heads * (head_dim +
+  (causal, window, chunks, sink tokens, layout, ring size; the sink tokens' key block whole where a query walks
+  it apart from its window), times 2 * batch * heads * (head_dim +
   v_head_dim) FLOPs forward (QK^T over q/k's head_dim, PV over v's) and 3.5x that forward + backward
   (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + row_s * rows + work / rate (rows: batch x
@@ -189,6 +190,29 @@ def _hidden_in_walk(opts, rows: np.ndarray, cols: np.ndarray, length: int, of_ke
     return int((np.maximum(last - first, 0) - seen).sum())
 
 
+# keys of the block holding the sink tokens, which a query walks whole (the GPU kernels' block_kv)
+SINK_BLOCK = 128
+
+
+def _sink_block_pairs(opts, seq: int) -> float:
+    """Pairs the busiest device computes and hides for its sink tokens: a query whose walk starts past the
+    first block visits the sinks' block as a prefix of its own (`core/visits.sink_range_table`), SINK_BLOCK
+    keys for the few the sinks show."""
+    from ringjax.layouts import local_positions
+
+    if not opts.num_sink_tokens:
+        return 0
+    n, base = opts.axis_size, dataclasses.replace(opts, num_sink_tokens=0)
+    extra = []
+    for shard in range(n):
+        pos = local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
+        lo, hi = _reach(base, pos, seq * n)
+        top = np.minimum(opts.num_sink_tokens, pos + 1 if opts.causal else seq * n)
+        shown = top - np.maximum(np.minimum(top - 1, hi) - lo + 1, 0)
+        extra.append(int(np.where((shown > 0) & (lo >= SINK_BLOCK), SINK_BLOCK - shown, 0).sum()))
+    return max(extra)
+
+
 @functools.lru_cache(maxsize=256)
 def visited_pairs(opts, seq: int, of_keys: bool = False, documents=None) -> float:
     """(query, key) pairs the busiest device's kernels compute: the visible ones, and the hidden ones that
@@ -199,7 +223,7 @@ def visited_pairs(opts, seq: int, of_keys: bool = False, documents=None) -> floa
     causal walk crosses the hidden chunk 3, a third more pairs). With `documents`, the visible pairs within
     them, and the subshards' hidden pairs in the same proportion."""
     if opts.subshards == 1:
-        return visible_pairs(opts, seq, documents)
+        return visible_pairs(opts, seq, documents) + (0 if documents is not None else _sink_block_pairs(opts, seq))
     if documents is not None:
         return visited_pairs(opts, seq, of_keys) * visible_pairs(opts, seq, documents) / visible_pairs(opts, seq)
     from ringjax.layouts import local_positions
@@ -516,7 +540,7 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     measured = []  # (row, forward FLOPs, priced features, head_dim, causal)
     for row in rows:
         p = problem_of(row)
-        measured.append((row, forward_flops(p), frozenset(priced_features(p)), p.head_dim, p.opts.causal))
+        measured.append((row, kernel_flops(p)[0], frozenset(priced_features(p)), p.head_dim, p.opts.causal))
     if not measured:
         raise ValueError("no measurement to fit rates to")
     fewest = min(len(m[2]) for m in measured)
