@@ -11,7 +11,7 @@ module fits rates to them and predicts:
   v_head_dim) FLOPs forward (QK^T over q/k's head_dim, PV over v's) and 3.5x that forward + backward
   (FlashAttention's convention);
 - per implementation and dtype class: seconds = overhead * calls + row_s * rows + work / rate (rows: batch x
-  queries x heads x head_dim, times `row_share`: a quarter, and the rest by the longest walk of a query row
+  queries x heads x head_dim, times `row_share`: 30%, and the rest by the longest walk of a query row
   over the call's keys, which a packed document, a window or a chunk bounds; row_s only where lengths spanning
   8x were measured, then fitted on the relative errors; the forward's fixed terms capped at the
   forward+backward's), fitted to the plain rows, causal and not causal apart; calls: one per ring step (a
@@ -264,7 +264,7 @@ def row_units(problem: Problem) -> float:
 
 
 # the share of a causal line's per-row term that does not shrink with the walk of a query row (see `row_share`)
-ROW_FLOOR = 0.25
+ROW_FLOOR = 0.3
 
 
 @functools.lru_cache(maxsize=256)
@@ -274,10 +274,11 @@ def row_share(opts, seq: int, documents: tuple[tuple[int, ...], ...] | None = No
     keys, at most 1. A causal kernel's time is not affine in its FLOPs: fitted from 1K to 32K tokens its per-row
     term is a quarter of an 8K call, and it behaves as a fixed cost per query and key block plus a tail that
     grows with the longest walk. Measured on one H100 (jax 0.11.2, 2026-11-27/28; windows 256 to 4096, chunks
-    512 to 8192, 4 documents, 8K to 32K), masks that bound the walk left 25-80% of the term, never less: priced
-    in full per row, four 8K documents in 32K (16.4 ms fwd+bwd, 4 x the 8K call) were predicted 37% low with
-    every fitted factor and the window, chunk and segment factors fitted to 0.0001-0.4; priced by the walk
-    alone, windows of 256 and chunks of 512 read 35-50% low."""
+    512 to 8192, 4 documents, 8K to 32K), masks that bound the walk left 25-80% of the term: priced in full per
+    row, four 8K documents in 32K (16.4 ms fwd+bwd, 4 x the 8K call) were predicted 37% low with every fitted
+    factor and the window, chunk and segment factors fitted to 0.0001-0.4; priced by the walk alone, windows of
+    256 and chunks of 512 read 35-50% low. A floor of 0.3 predicts those masks best (0.2 or 0.25: 24% and 20%
+    at worst, 0.3: 16%, 0.35: 24%)."""
     if documents is not None:
         most = max(int(_packed_keys(opts, row).max(initial=0)) for row in documents)
     else:
@@ -501,6 +502,10 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 0.0, sum(f for f, _ in points) / sum(t for _, t in points)
 
 
+# a row whose time the line's fixed costs take more of than this prices no feature: the H200 lines, fitted to
+# 8K and 32K alone, have a 0.49 ms forward intercept that took all of the 8K masks' 0.48-0.59 ms, so their
+# factors fitted to 0-0.002 and 32K masks were predicted 69-87% low
+_MOST_FIXED = 0.8
 # lengths a kernel line needs for its per-row term: at least this many, the longest this many times the shortest
 _ROW_FIT_LENGTHS, _ROW_FIT_SPAN = 4, 8
 
@@ -511,7 +516,9 @@ def _fit_kernel_line(points: list[tuple[int, float, float, float]]) -> tuple[flo
     one's). Measured on one H100 from 1K to 32K tokens (2026-11-26), a causal kernel's time is not affine in
     its FLOPs (its diagonal tiles are whole): two terms missed 1K by 80% or 32K by 13%, three are within 7%
     fwd+bwd. Fewer lengths than `_ROW_FIT_LENGTHS` spanning `_ROW_FIT_SPAN` x cannot tell the terms apart:
-    two terms, least squares on the absolute error as before."""
+    two terms, least squares on the absolute error, the fixed one per row where it is positive (fitted to 8K and
+    32K alone, the H100's Mosaic forward then gets the 1K-32K line's rate within 1%, where an intercept put
+    it 16% low; the H200's intercept of 0.49 ms was above its 8K masks' whole time)."""
     lengths = sorted({n for n, *_ in points})
     if len(lengths) >= _ROW_FIT_LENGTHS and lengths[-1] >= _ROW_FIT_SPAN * lengths[0]:
         _, f, r, t = np.array(points, dtype=float).T
@@ -520,6 +527,11 @@ def _fit_kernel_line(points: list[tuple[int, float, float, float]]) -> tuple[flo
         if coef.min() >= 0 and coef[1] > 0:
             return float(coef[0]), float(1.0 / coef[1]), float(coef[2])
     overhead, rate = _fit_line([(f, t) for _, f, _, t in points])
+    if overhead > 0:  # so at two lengths or more
+        _, f, r, t = np.array(points, dtype=float).T
+        per_flop, row_s = np.linalg.lstsq(np.stack([f, r], 1), t, rcond=None)[0]
+        if per_flop > 0 and row_s >= 0:
+            return 0.0, float(1.0 / per_flop), float(row_s)
     return overhead, rate, 0.0
 
 
@@ -575,12 +587,15 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     fallback = lines.get(True) or lines[False]
 
     def factor(row, flops, causal, mode, scale):
-        """Time per FLOP of `row` over its line's (above 1: slower)."""
+        """Time per FLOP of `row` over its line's (above 1: slower); None where the line's fixed costs take
+        nearly all of the row's time, so that what is left would price the line's intercept, not the feature."""
         t, line = row.get(f"{mode}_ms"), lines.get(causal, fallback)
         if not t:
             return None
-        return max(t * 1e-3 - line.fixed_s(mode, 1, _row_units(row)), 1e-9) * line.tflops[mode] * 1e12 / (
-            flops * scale)
+        fixed = line.fixed_s(mode, 1, _row_units(row))
+        if fixed > _MOST_FIXED * t * 1e-3:
+            return None
+        return (t * 1e-3 - fixed) * line.tflops[mode] * 1e12 / (flops * scale)
 
     modes = (("fwd", 1.0), ("fwd_bwd", BACKWARD_FACTOR))
     # with no plain row the base rows' features are in the line: priced 1.0, not lent by other implementations
