@@ -121,14 +121,18 @@ def visible_pairs(opts, seq: int, documents: tuple[tuple[int, ...], ...] | None 
     return max(_visible_by_shard(opts, seq, documents))
 
 
-def _visible_by_shard(opts, seq: int, documents=None) -> list[float]:
+def _shard_positions(opts, seq: int) -> list[np.ndarray]:
+    """The natural positions each shard of the axis holds, in storage order."""
     from ringjax.layouts import local_positions
 
     n = opts.axis_size
-    positions = [local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
-                 for shard in range(n)]
+    return [local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64) for shard in range(n)]
+
+
+def _visible_by_shard(opts, seq: int, documents=None) -> list[float]:
+    positions = _shard_positions(opts, seq)
     if documents is None:
-        return [int(_visible_keys(opts, pos, seq * n).sum()) for pos in positions]
+        return [int(_visible_keys(opts, pos, seq * opts.axis_size).sum()) for pos in positions]
     keys = [_packed_keys(opts, row) for row in documents]
     return [sum(int(k[pos].sum()) for k in keys) / len(keys) for pos in positions]
 
@@ -198,16 +202,13 @@ def _sink_block_pairs(opts, seq: int) -> float:
     """Pairs the busiest device computes and hides for its sink tokens: a query whose walk starts past the
     first block visits the sinks' block as a prefix of its own (`core/visits.sink_range_table`), SINK_BLOCK
     keys for the few the sinks show."""
-    from ringjax.layouts import local_positions
-
     if not opts.num_sink_tokens:
         return 0
-    n, base = opts.axis_size, dataclasses.replace(opts, num_sink_tokens=0)
+    length, base = seq * opts.axis_size, dataclasses.replace(opts, num_sink_tokens=0)
     extra = []
-    for shard in range(n):
-        pos = local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64)
-        lo, hi = _reach(base, pos, seq * n)
-        top = np.minimum(opts.num_sink_tokens, pos + 1 if opts.causal else seq * n)
+    for pos in _shard_positions(opts, seq):
+        lo, hi = _reach(base, pos, length)
+        top = np.minimum(opts.num_sink_tokens, pos + 1 if opts.causal else length)
         shown = top - np.maximum(np.minimum(top - 1, hi) - lo + 1, 0)
         extra.append(int(np.where((shown > 0) & (lo >= SINK_BLOCK), SINK_BLOCK - shown, 0).sum()))
     return max(extra)
@@ -226,10 +227,7 @@ def visited_pairs(opts, seq: int, of_keys: bool = False, documents=None) -> floa
         return visible_pairs(opts, seq, documents) + (0 if documents is not None else _sink_block_pairs(opts, seq))
     if documents is not None:
         return visited_pairs(opts, seq, of_keys) * visible_pairs(opts, seq, documents) / visible_pairs(opts, seq)
-    from ringjax.layouts import local_positions
-
-    n = opts.axis_size
-    pos = [local_positions(opts.layout, shard, n, seq, np, opts.subshards).astype(np.int64) for shard in range(n)]
+    n, pos = opts.axis_size, _shard_positions(opts, seq)
     base = dataclasses.replace(opts, num_sink_tokens=0)  # sink tokens are walked as a prefix of their own
     # every shard's K/V visit every device (a ring over subshards is never shortened: schedule.ring_plan)
     return max(visible + sum(_hidden_in_walk(base, *((pos[src], pos[shard]) if of_keys else (pos[shard], pos[src])),
@@ -549,7 +547,7 @@ def _row_units(row: Mapping[str, Any]) -> float:
 
 def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     """Rates of one implementation at one dtype class from its measurements (see the module docstring)."""
-    measured = []  # (row, forward FLOPs, priced features, head_dim, causal)
+    measured = []  # (row, forward FLOPs its kernels compute, priced features, head_dim, causal)
     for row in rows:
         p = problem_of(row)
         measured.append((row, kernel_flops(p)[0], frozenset(priced_features(p)), p.head_dim, p.opts.causal))
