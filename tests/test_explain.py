@@ -174,22 +174,44 @@ def test_sink_tokens_cost_their_block():
         AttentionOptions(causal=True, num_sink_tokens=4), 8192)  # no window: the sinks are in every walk
 
 
-@pytest.mark.parametrize("path", [f"benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-11-28_coverage_{sizes}.jsonl"
-                                  for sizes in ("window256_chunk8192", "window4096_chunk512")])
-def test_masks_of_other_sizes_follow_the_measurements(path):
+_CHECKS = "benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-11-28_coverage_"
+
+
+@pytest.mark.parametrize("path, count", [(_CHECKS + "window256_chunk8192.jsonl", 15),
+                                         (_CHECKS + "window4096_chunk512.jsonl", 15)])
+def test_masks_of_other_sizes_follow_the_measurements(path, count):
     """Windows of 256 and 4096, chunks of 512 and 8192 (with and without 4 documents) and sink tokens on those
     windows at 8K, 16K and 32K causal on one H100 (jax 0.11.2, 2026-11-28; checks/, not fitted): the calibration
     was fitted at window 1024 and chunk 2048 only (these rows chose ROW_FLOOR, nothing else). fwd+bwd within 16%
     on every case and 10% at the median
     (the model of 2026-11-27, the per-row term in full and every mask's factor fitted at those sizes: up to 131%
     off, median 51-56%)."""
+    errors = _fwd_bwd_errors(path)
+    assert len(errors) == count and max(errors) < 0.17 and np.median(errors) < 0.1, errors
+
+
+@pytest.mark.parametrize("path, count", [(_CHECKS + "window512_chunk4096.jsonl", 14),
+                                         (_CHECKS + "window2048_chunk1024.jsonl", 15), (_CHECKS + "16k.jsonl", 8)])
+def test_held_out_measurements_follow_the_model(path, count):
+    """Measured after the model was settled and never used to choose any of its terms (1 H100, jax 0.11.2,
+    2026-11-28 03:0x UTC): windows of 512 and 2048, chunks of 4096 and 1024, with and without 4 documents, sink
+    tokens on those windows, at 8K, 16K and 32K causal (the 32K window of 512 hit the call's time limit), and
+    every other feature and head_dims 64 and 256 at 16K, a length no row was fitted at. The shipped calibration
+    predicts fwd+bwd within 15% on all 37 (largest: sink tokens on a window of 512 at 8K, 14.5% low; median
+    4.7%)."""
+    errors = _fwd_bwd_errors(path)
+    assert len(errors) == count and max(errors) < 0.15 and np.median(errors) < 0.1, errors
+
+
+def _fwd_bwd_errors(path: str) -> list[float]:
+    """|predicted / measured - 1| of the fwd+bwd of each row of a coverage results file, on the H100's calibration."""
     calibration = costs.load(H100)
     errors = []
     for line in open(path):
         row = calibrate.kernel_row(json.loads(line), path)
         found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
         errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
-    assert len(errors) == 15 and max(errors) < 0.17 and np.median(errors) < 0.1, errors
+    return errors
 
 
 def test_coverage_candidates_judge_the_shipped_calibration():
