@@ -617,3 +617,23 @@ def test_chip_model_is_kept_where_a_chip_is_named():
     chip = plan.CHIPS["h200"]
     strategy, reason = spread.decide(_problem(kind=H200, layout="zigzag", axis_size=2), "sp", {"sp": 2}, chip=chip)
     assert reason.startswith("cost model on 2 x H200 SXM")
+
+
+def test_predictions_within_the_tie_tolerance_go_by_priority(monkeypatch):
+    """2 H100, jax 0.11.2, 2026-11-28, all_gather at 32K tokens per GPU, 32 KV heads: the Triton kernels were
+    predicted 1-2% faster than the Mosaic GPU kernels and ran 1.33x slower (174 ms fwd+bwd against the fused
+    ring's 131). Closer than registry.TIE_TOLERANCE, the higher priority runs."""
+    from ringjax.backends.pallas_mosaic_gpu import implementation as mosaic
+
+    problem = dataclasses.replace(_problem(seq=32768, axis_name="sp", axis_size=2, layout="zigzag", gather_kv=True),
+                                  kv_heads=32)
+    calibration = costs.load(H100)
+    triton, own = (costs.predict(calibration, name, problem).fwd_bwd_s for name in ("pallas_triton",
+                                                                                     "pallas_mosaic_gpu"))
+    assert triton < own < (1 + registry.TIE_TOLERANCE) * triton
+    assert _auto(problem) == "pallas_mosaic_gpu"
+    # where the heuristic gathers by the fused ring's kernel, that ring is what is priced: one launch
+    monkeypatch.setattr(mosaic, "fuses_ring", lambda p: p.opts.gather_kv)
+    ring, launches = mosaic.IMPLEMENTATION.priced_as(problem)
+    assert launches == 1 and not ring.opts.gather_kv and ring.seq == problem.seq
+    assert mosaic.IMPLEMENTATION.priced_as(ring) == (ring, None)

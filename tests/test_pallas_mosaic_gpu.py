@@ -462,6 +462,21 @@ def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
 
 
 @hopper_only
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", [FUSED_RING_CASES[i] for i in (0, -4, -3)])
+def test_all_gather_by_the_fused_kernel_matches_reference(n, layout, dtype, xkw, kw, caplog):
+    """strategy="all_gather" with no config named: the heuristic config gathers K/V inside the fused ring's
+    kernel (`implementation.as_ring`), and the log says so; out, lse and gradients against the float64
+    reference, packed documents across shards and a window among the cases."""
+    if n != jax.device_count():
+        pytest.skip(f"the fused ring spans every device: case of {n}, {jax.device_count()} here")
+    x = make_inputs(n * 13 + len(kw), dtype=dtype, **xkw)
+    with caplog.at_level(logging.INFO, logger="ringjax.implementation"):
+        got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", strategy="all_gather", **kw)
+    assert any("all_gather" in m and '"fused": true' in m for m in caplog.messages), caplog.messages
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+@hopper_only
 @pytest.mark.parametrize("how", ["mesh_arg", "set_mesh", "heuristic"])
 def test_fused_ring_on_a_user_mesh(how, caplog):
     """The fused ring on global arrays over `jax.sharding.Mesh(devices, names)` (Auto axes, as MaxText-style
@@ -631,18 +646,22 @@ def test_fused_ring_bookkeeping_matches_the_ring_plan(n, offset, steps):
 
 def test_fused_config_picks_the_kernels(monkeypatch):
     """fused=True runs the fused forward and backward on a ring, the fused forward with the step-ring backward
-    above head_dim 128, and the plain step kernels without a ring (one device)."""
+    above head_dim 128, and the plain step kernels without a ring (one device); the all-gather strategy's call
+    (gather_kv) runs the fused ring, the gather inside its kernel, and the gather's step kernel without fused."""
     from ringjax.backends.pallas_mosaic_gpu import implementation as impl
 
     ran = []
     monkeypatch.setattr(impl, "_refusal", lambda problem, config=None: None)
-    monkeypatch.setattr(impl, "ring_attention_shard", lambda opts, kernel, *args: ran.append(kernel.name))
-    for n, head_dim in ((2, 128), (2, 256), (1, 128)):
-        opts = AttentionOptions(axis_name="sp" if n > 1 else None, axis_size=n, causal=True)
+    monkeypatch.setattr(impl, "ring_attention_shard", lambda opts, kernel, *args: ran.append((kernel.name,
+                                                                                               opts.gather_kv)))
+    for n, head_dim, gather, fused in ((2, 128, False, True), (2, 256, False, True), (1, 128, False, True),
+                                       (4, 128, True, True), (4, 128, True, False)):
+        opts = AttentionOptions(axis_name="sp" if n > 1 else None, axis_size=n, causal=True, gather_kv=gather)
         problem = registry.Problem(opts=opts, batch=1, seq=1024, heads=4, kv_heads=2, head_dim=head_dim,
                                    dtype="bfloat16", platform="gpu")
-        impl.IMPLEMENTATION.run(problem, MosaicGpuConfig(fused=True), *[None] * 7)
-    assert ran == ["pallas_mosaic_gpu_fused", "pallas_mosaic_gpu_fused_fwd", "pallas_mosaic_gpu"]
+        impl.IMPLEMENTATION.run(problem, MosaicGpuConfig(fused=fused), *[None] * 7)
+    assert ran == [("pallas_mosaic_gpu_fused", False), ("pallas_mosaic_gpu_fused_fwd", False),
+                   ("pallas_mosaic_gpu", False), ("pallas_mosaic_gpu_fused", False), ("pallas_mosaic_gpu", True)]
 
 
 def test_fused_ring_refusals():
@@ -685,7 +704,10 @@ def test_heuristic_fuses_the_ring_where_it_fits(monkeypatch):
     assert impl.default_config(problem(2, seq=2**19)).fused  # 6 GiB: 1M tokens on 2 GPUs
     assert not impl.default_config(problem(1)).fused  # no ring
     assert not impl.default_config(problem(platform="cpu")).fused
-    assert not impl.default_config(problem(gather_kv=True)).fused  # the all-gather strategy: no ring
+    # the all-gather strategy: the fused ring's kernel does the gather, whatever its slots take (the gather's)
+    assert impl.default_config(problem(gather_kv=True)).fused and impl.default_config(problem(8, seq=2**19,
+                                                                                          gather_kv=True)).fused
+    assert not impl.default_config(problem(gather_kv=True, platform="cpu")).fused
     assert not any(c.fused for c in impl.IMPLEMENTATION.candidate_configs(problem(1)))
     monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: None)  # the allocator does not say
     assert not impl.default_config(problem()).fused

@@ -8,6 +8,7 @@ Per device, N devices on the axis, t local tokens, s bytes per element:
   config its implementation picks) pays no step cost, and its copies (K/V; backward K/V and float32 dK/dV)
   show whole, as measured;
 - all_gather: gather (N - 1) K/V shards forward, again backward, reduce-scatter float32 dK/dV; none hidden;
+  where the fused ring's kernel does the gather (Mosaic GPU), priced as a fused ring over every device;
 - ulysses: q, k, v to whole sequences of H/N heads and out, lse back (one all-to-all each; backward the
   transposes), (N - 1)/N of each array moving, none hidden; where the layout leaves a device's tokens out of
   order, sorting them is a copy of q, k, v, out and lse each way (read and written at the chip's HBM
@@ -20,6 +21,7 @@ costs say which stand-in they used.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ringjax.dispatch import costs, registry
@@ -57,13 +59,18 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
         reg, impl = registry.choose(op, implementation, problem)
         # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels; whether the heuristic's
         # does depends on the devices themselves: a device kind this host lacks is priced as the step ring
-        in_kernel = strategy.name == "ring" and (fused if fused is not None else not registry.described(problem)
-                                                 and bool(getattr(impl.default_config(problem), "fused", False)))
+        # (the all-gather strategy's gather, too: `pallas_mosaic_gpu.implementation.as_ring`)
+        in_kernel = strategy.name in ("ring", "all_gather") and (
+            fused if fused is not None else not registry.described(problem)
+            and bool(getattr(impl.default_config(problem), "fused", False)))
+        if in_kernel:  # the all-gather's kernel is the ring's: priced as the ring's, to the same figure
+            problem = dataclasses.replace(problem, opts=dataclasses.replace(problem.opts, gather_kv=False))
         # a fused pass is one launch over every step: the per-call overhead once, not once per step
         kernel = costs.predict(calibration, reg.name, problem, launches=1 if in_kernel else None)
         if kernel is None:
             return None
-        notes = [n for n in (f"runs {reg.name}" + (" (fused ring)" if in_kernel else ""), kernel.note) if n]
+        fused_note = " (fused ring)" if strategy.name == "ring" else " (gathered by the fused ring's kernel)"
+        notes = [n for n in (f"runs {reg.name}" + (fused_note if in_kernel else ""), kernel.note) if n]
         fwd, bwd, memory = _communication(strategy, base, problem, kernel, calibration, notes, in_kernel)
         sort = _token_sort_s(strategy, base, calibration, notes)
         hbm = calibration.hbm_bytes or (getattr(plan.chip_for(calibration.device_kind), "hbm_bytes", 0.0))
@@ -88,18 +95,19 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
     q_loc = base.batch * base.seq * base.heads * base.head_dim * s
     o_loc = base.batch * base.seq * base.heads * base.v_head_dim * s  # out, dout
     kv_loc = 1.0 * base.batch * base.seq * base.kv_heads * (base.head_dim + base.v_head_dim) * s
+    if fused:  # a ring, or an all-gather, by the fused ring's kernels
+        # no step pays a launch or a merge, but the copies show whole: on 2 H100 (jax 0.11.2, 2026-11-26) a
+        # fused pass took its kernel's predicted time plus its copies' at the ppermute rate (within 8% at
+        # 8K and 32K tokens per GPU, 8 and 32 KV heads), not the kernel's alone (up to 15% under)
+        shift = _collective(calibration, "ppermute", notes)
+        others = costs.calls(problem) - 1
+        return (shift.seconds(others * kv_loc), shift.seconds(others * kv_loc * (1 + f32)),
+                others * kv_loc * (1 + f32))
     if strategy.name == "ring":
         shift = _collective(calibration, "ppermute", notes)
         chip = plan.chip_for(calibration.device_kind)
         paid_fwd, paid_bwd = chip.ring_step_s if chip is not None else (0.0, 0.0)
         steps = costs.calls(problem)
-        if fused:
-            # no step pays a launch or a merge, but the copies show whole: on 2 H100 (jax 0.11.2, 2026-11-26) a
-            # fused pass took its kernel's predicted time plus its copies' at the ppermute rate (within 8% at
-            # 8K and 32K tokens per GPU, 8 and 32 KV heads), not the kernel's alone (up to 15% under)
-            others = steps - 1
-            return (shift.seconds(others * kv_loc), shift.seconds(others * kv_loc * (1 + f32)),
-                    others * kv_loc * (1 + f32))
         fwd_step, bwd_step = kernel.fwd_s / steps, (kernel.fwd_bwd_s - kernel.fwd_s) / steps
         fwd = (steps - 1) * (paid_fwd + max(0.0, shift.seconds(kv_loc) - fwd_step))
         bwd = (steps - 1) * (paid_bwd + max(0.0, shift.seconds(kv_loc * (1 + f32)) - bwd_step)) \
