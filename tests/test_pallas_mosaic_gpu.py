@@ -465,7 +465,7 @@ def test_fused_ring_matches_reference(n, layout, dtype, xkw, kw):
 @pytest.mark.parametrize("n, layout, dtype, xkw, kw", [FUSED_RING_CASES[i] for i in (0, -4, -3)])
 def test_all_gather_by_the_fused_kernel_matches_reference(n, layout, dtype, xkw, kw, caplog):
     """strategy="all_gather" with no config named: the heuristic config gathers K/V inside the fused ring's
-    kernel (`implementation.as_ring`), and the log says so; out, lse and gradients against the float64
+    kernel (`Problem.as_ring`), and the log says so; out, lse and gradients against the float64
     reference, packed documents across shards and a window among the cases."""
     if n != jax.device_count():
         pytest.skip(f"the fused ring spans every device: case of {n}, {jax.device_count()} here")

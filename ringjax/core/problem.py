@@ -57,6 +57,11 @@ class Problem:
             return self
         return dataclasses.replace(self, device_kind=current_device_kind(self.platform))
 
+    def as_ring(self) -> Problem:
+        """This problem with the all-gather strategy's K/V gather (`opts.gather_kv`) off: the ring over the same
+        axis, as a fused ring's kernel runs the gather (its copies reach every peer, its partials go home)."""
+        return dataclasses.replace(self, opts=dataclasses.replace(self.opts, gather_kv=False))
+
     @property
     def gqa_ratio(self) -> int:
         return self.heads // self.kv_heads

@@ -21,7 +21,6 @@ costs say which stand-in they used.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from ringjax.dispatch import costs, registry
@@ -59,12 +58,12 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
         reg, impl = registry.choose(op, implementation, problem)
         # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels; whether the heuristic's
         # does depends on the devices themselves: a device kind this host lacks is priced as the step ring
-        # (the all-gather strategy's gather, too: `pallas_mosaic_gpu.implementation.as_ring`)
+        # (the all-gather strategy's gather, too: `Problem.as_ring`)
         in_kernel = strategy.name in ("ring", "all_gather") and (
             fused if fused is not None else not registry.described(problem)
             and bool(getattr(impl.default_config(problem), "fused", False)))
         if in_kernel:  # the all-gather's kernel is the ring's: priced as the ring's, to the same figure
-            problem = dataclasses.replace(problem, opts=dataclasses.replace(problem.opts, gather_kv=False))
+            problem = problem.as_ring()
         # a fused pass is one launch over every step: the per-call overhead once, not once per step
         kernel = costs.predict(calibration, reg.name, problem, launches=1 if in_kernel else None)
         if kernel is None:

@@ -135,18 +135,10 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
                     f"{SMEM_LIMIT} a Hopper block may use")
     if config.fused:
-        why = _fused_refusal(as_ring(problem))
+        why = _fused_refusal(problem.as_ring())
         if why:
             return why
     return _jax_refusal() or _device_refusal(problem.platform)
-
-
-def as_ring(problem: Problem) -> Problem:
-    """`problem` with the all-gather strategy's K/V gather (`opts.gather_kv`) done by the fused ring: its
-    kernel copies every device's K/V into each peer's receive slots while attention runs on what has landed (an
-    all-gather by point-to-point copies, holding the whole sequence's K/V as the gather does), and its backward
-    sends the float32 dK/dV partials to their owners (the reduce-scatter)."""
-    return dataclasses.replace(problem, opts=dataclasses.replace(problem.opts, gather_kv=False))
 
 
 def _fused_refusal(problem: Problem) -> str | None:
@@ -206,13 +198,14 @@ def _gpu_memory_bytes() -> int | None:
 def fuses_ring(problem: Problem) -> bool:
     """Whether the heuristic config runs the fused ring: there is a ring, `_fused_refusal` finds nothing, and
     its receive slots fit `FUSED_MEMORY_FRACTION` of the GPU's memory. Measured faster than the step ring in
-    every case on 2 and 4 GPUs (docs/pallas_mosaic_gpu.md). The all-gather strategy runs it too (`as_ring`),
-    whatever its slots take: the gather holds as much, and the collectives around one kernel call cost its
-    forward 14% at 8K tokens per GPU (docs/strategies.md)."""
+    every case on 2 and 4 GPUs (docs/pallas_mosaic_gpu.md). The all-gather strategy runs it too
+    (`Problem.as_ring`: its copies are the gather, its partials' trip home the reduce-scatter), whatever its
+    slots take: the gather holds as much, and the collectives around one kernel call cost its forward 14% at 8K
+    tokens per GPU (docs/strategies.md)."""
     opts = problem.opts
     if opts.axis_name is None or opts.axis_size == 1 or problem.platform != "gpu":  # no ring
         return False
-    if _fused_refusal(as_ring(problem)) is not None or _jax_refusal() or _device_refusal(problem.platform):
+    if _fused_refusal(problem.as_ring()) is not None or _jax_refusal() or _device_refusal(problem.platform):
         return False
     if opts.gather_kv:
         return True
@@ -249,7 +242,7 @@ class PallasMosaicGpuImplementation:
         launch (priced as the step gather, `auto` ran Triton there at 32K tokens per GPU: 1.33x slower, 2 H100,
         2026-11-28)."""
         if problem.opts.gather_kv and fuses_ring(problem):
-            return as_ring(problem), 1
+            return problem.as_ring(), 1
         return problem, None
 
     def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
@@ -276,7 +269,7 @@ class PallasMosaicGpuImplementation:
             from ringjax.backends.pallas_mosaic_gpu.kernels import supports_fused_bwd
 
             kernel = FUSED_KERNEL if supports_fused_bwd(*problem.head_dims) else FUSED_FWD_KERNEL
-            opts = as_ring(problem).opts  # the all-gather strategy: the gather inside the kernel
+            opts = problem.as_ring().opts  # the all-gather strategy: the gather inside the kernel
         return ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
