@@ -203,12 +203,28 @@ def test_held_out_measurements_follow_the_model(path, count):
     assert len(errors) == count and max(errors) < 0.15 and np.median(errors) < 0.1, errors
 
 
-def _fwd_bwd_errors(path: str) -> list[float]:
-    """|predicted / measured - 1| of the fwd+bwd of each row of a coverage results file, on the H100's calibration."""
-    calibration = costs.load(H100)
+def test_h200_rows_of_one_session_follow_its_refitted_calibration():
+    """One H200 (jax 0.11.2, 2026-11-28): the step suite from 1K to 32K, causal and not (checks/ holds 1K-4K), is
+    predicted within 15% fwd+bwd; the 2026-11-26 calibration read 1K 70-76% low, and fitted with three free
+    terms it still did (the H200's fwd+bwd costs 0.5 ms at any length, a negative per-row term fitted it best).
+    Four coverage rows timed again later that session (plain, chunked, segments, window at 8K; not fitted):
+    within 15% too, where the two timings of a mask differ by up to 16%."""
+    short = "benchmarks/results/checks/nvidia-h200_2026-11-28_step_short.jsonl"
+    steps = _fwd_bwd_errors(short, H200) + _fwd_bwd_errors("benchmarks/results/nvidia-h200_2026-11-28_step.jsonl", H200)
+    assert len(steps) == 16 and max(steps) < 0.15, steps
+    again = _fwd_bwd_errors("benchmarks/results/checks/nvidia-h200_2026-11-28_coverage_repeat.jsonl", H200)
+    assert len(again) == 4 and max(again) < 0.15, again
+
+
+def _fwd_bwd_errors(path: str, kind: str = H100) -> list[float]:
+    """|predicted / measured - 1| of the fwd+bwd of each one-device ringjax row of a results file (coverage or
+    step), on the calibration of `kind` (the H100's by default)."""
+    calibration = costs.load(kind)
     errors = []
     for line in open(path):
         row = calibrate.kernel_row(json.loads(line), path)
+        if row is None:  # another library's row of the step suite
+            continue
         found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
         errors.append(abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1))
     return errors
