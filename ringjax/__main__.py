@@ -334,6 +334,9 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
         if predicted:
             lines += ["", f"strategies on {devices} x {device_kind} (predicted; strategy='auto' picks "
                           f"{plan.best_strategy(predicted).strategy}):", plan.strategy_table(predicted)]
+    if devices > 1 and platform == "gpu" and registry.described(problem):
+        lines += ["", f"(the fused ring judged for one process holding the {devices} GPUs; with one process per GPU "
+                      "it is refused and the step ring runs)"]
     lines += ["", "(nothing was run: predictions from " + (calibration.where if calibration else
                                                            "no calibration, so no times") + ")"]
     return "\n".join(lines)

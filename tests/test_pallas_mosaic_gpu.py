@@ -691,7 +691,7 @@ def test_heuristic_fuses_the_ring_where_it_fits(monkeypatch):
                                 dtype="bfloat16", platform=platform)
 
     for name in ("_fused_refusal", "_device_refusal"):
-        monkeypatch.setattr(impl, name, lambda problem: None)
+        monkeypatch.setattr(impl, name, lambda *args: None)
     monkeypatch.setattr(impl, "_jax_refusal", lambda: None)
     monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: 60e9)  # XLA's share of an 80 GB H100
     # per other source: 8192 tokens x 8 KV heads x (128 + 128) x (2 bytes + 4 for the float32 partials)
@@ -712,8 +712,29 @@ def test_heuristic_fuses_the_ring_where_it_fits(monkeypatch):
     monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: None)  # the allocator does not say
     assert not impl.default_config(problem()).fused
     monkeypatch.setattr(impl, "_gpu_memory_bytes", lambda: 60e9)
-    monkeypatch.setattr(impl, "_fused_refusal", lambda problem: "one process per GPU")
+    monkeypatch.setattr(impl, "_fused_refusal", lambda *args: "one process per GPU")
     assert not impl.default_config(problem()).fused
+
+
+def test_a_described_gpu_is_judged_as_one_process_holding_its_gpus():
+    """For a GPU this host lacks (`explain --device-kind`), the heuristic judges the fused ring for one process
+    holding all of the ring's GPUs, with the device kind's memory (the calibration's HBM, XLA's 75%), whatever
+    this host's jax and devices: what that host's `auto` would run (2 H200, 2026-11-28: the fused ring, as
+    explain now says; it priced the step ring and named Ulysses before)."""
+    from ringjax.backends.pallas_mosaic_gpu import implementation as impl
+
+    def problem(n=2, seq=8192, kind="NVIDIA H200", **kw):
+        return registry.Problem(opts=AttentionOptions(axis_name="sp" if n > 1 else None, axis_size=n, causal=True,
+                                                      **kw), batch=1, seq=seq, heads=32, kv_heads=8, head_dim=128,
+                                dtype="bfloat16", platform="gpu", device_kind=kind)
+
+    assert registry.described(problem())
+    assert impl.default_config(problem()).fused and impl.default_config(problem(8)).fused
+    # 512K tokens per GPU on 8 H200: 7 x 6 GiB of slots, over an eighth of 75% of 141 GB
+    assert not impl.default_config(problem(8, seq=2**19)).fused
+    assert impl.default_config(problem(8, seq=2**19, gather_kv=True)).fused  # the gather holds as much
+    assert not impl.default_config(problem(4, layout="contiguous", window=(100, 0), num_sink_tokens=4)).fused
+    assert not impl.default_config(problem(1)).fused
 
 
 @hopper_only

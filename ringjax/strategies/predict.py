@@ -56,12 +56,11 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
     for strategy in strategies:
         problem = strategy.problem(base)
         reg, impl = registry.choose(op, implementation, problem)
-        # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels; whether the heuristic's
-        # does depends on the devices themselves: a device kind this host lacks is priced as the step ring
-        # (the all-gather strategy's gather, too: `Problem.as_ring`)
+        # a config with `fused` (Mosaic GPU, TPU) set moves K/V from inside its kernels (the all-gather
+        # strategy's gather too: `Problem.as_ring`) where the heuristic's says so; for a device kind this host
+        # lacks, it judges one process holding every GPU of the ring
         in_kernel = strategy.name in ("ring", "all_gather") and (
-            fused if fused is not None else not registry.described(problem)
-            and bool(getattr(impl.default_config(problem), "fused", False)))
+            fused if fused is not None else bool(getattr(impl.default_config(problem), "fused", False)))
         if in_kernel:  # the all-gather's kernel is the ring's: priced as the ring's, to the same figure
             problem = problem.as_ring()
         # a fused pass is one launch over every step: the per-call overhead once, not once per step

@@ -141,8 +141,9 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     return _jax_refusal() or _device_refusal(problem.platform)
 
 
-def _fused_refusal(problem: Problem) -> str | None:
-    """Why the fused ring (`MosaicGpuConfig(fused=True)`) cannot run this call, or None."""
+def _fused_refusal(problem: Problem, host: tuple[int, int] | None = None) -> str | None:
+    """Why the fused ring (`MosaicGpuConfig(fused=True)`) cannot run this call, or None. `host`: (devices,
+    processes) of a machine this one describes (`explain`), whose jax is assumed to have the API; None: here."""
     import jax
 
     opts = problem.opts
@@ -150,13 +151,14 @@ def _fused_refusal(problem: Problem) -> str | None:
         return None  # no ring: the plain step runs
     if ring_plan(opts, problem.seq).sink_step:
         return "fused=True: sink tokens beyond a window-shortened ring take a step of their own; use fused=False"
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if host is None:
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    if not (hasattr(plgpu, "remote_ref") and hasattr(pl, "get_global")):
-        return f"fused=True needs Pallas Mosaic GPU's remote_ref and pl.get_global, absent in jax {jax.__version__}"
+        if not (hasattr(plgpu, "remote_ref") and hasattr(pl, "get_global")):
+            return f"fused=True needs Pallas Mosaic GPU's remote_ref and pl.get_global, absent in jax {jax.__version__}"
     # Mosaic GPU addresses peers over all devices: one ring axis over every device
-    devices, processes = jax.device_count(), jax.process_count()
+    devices, processes = host or (jax.device_count(), jax.process_count())
     if opts.axis_size != devices:
         return (f"fused=True needs the ring axis to span every device: axis {opts.axis_name!r} has "
                 f"{opts.axis_size} of {devices}")
@@ -205,12 +207,41 @@ def fuses_ring(problem: Problem) -> bool:
     opts = problem.opts
     if opts.axis_name is None or opts.axis_size == 1 or problem.platform != "gpu":  # no ring
         return False
-    if _fused_refusal(problem.as_ring()) is not None or _jax_refusal() or _device_refusal(problem.platform):
+    if described_host(problem):  # as `registry.refusal` does, its jax and GPUs are assumed to run the kernels
+        host, memory = (opts.axis_size, 1), _described_memory_bytes(problem.device_kind)
+    else:
+        if _jax_refusal() or _device_refusal(problem.platform):
+            return False
+        host, memory = None, _gpu_memory_bytes()
+    if _fused_refusal(problem.as_ring(), host) is not None:
         return False
     if opts.gather_kv:
         return True
-    memory = _gpu_memory_bytes()
     return memory is not None and fused_ring_bytes(problem) <= FUSED_MEMORY_FRACTION * memory
+
+
+def described_host(problem: Problem) -> bool:
+    """Whether `problem` names a GPU this host does not have (`python -m ringjax explain --device-kind`): the
+    fused ring is then judged for one process holding all of the ring's GPUs, the single-host case (with one
+    process per GPU the step ring runs; `_fused_refusal` says why)."""
+    from ringjax.dispatch import registry
+
+    return registry.described(problem)
+
+
+# the share of a GPU's memory XLA allocates by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
+_XLA_MEMORY_FRACTION = 0.75
+
+
+def _described_memory_bytes(device_kind: str) -> float | None:
+    """What XLA would allocate on a GPU of `device_kind` this host does not have: its calibration's HBM, else the
+    chip table's."""
+    from ringjax.dispatch import costs
+    from ringjax.strategies import plan
+
+    calibration, chip = costs.load(device_kind), plan.chip_for(device_kind)
+    hbm = (calibration.hbm_bytes if calibration else 0.0) or (chip.hbm_bytes if chip else 0.0)
+    return _XLA_MEMORY_FRACTION * hbm if hbm else None
 
 
 def default_config(problem: Problem) -> MosaicGpuConfig:
