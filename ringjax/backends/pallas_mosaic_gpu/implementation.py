@@ -234,13 +234,12 @@ _XLA_MEMORY_FRACTION = 0.75
 
 
 def _described_memory_bytes(device_kind: str) -> float | None:
-    """What XLA would allocate on a GPU of `device_kind` this host does not have: its calibration's HBM, else the
-    chip table's."""
+    """What XLA would allocate on a GPU of `device_kind` this host does not have, from its calibration's HBM;
+    None (so the step ring) where no calibration says."""
     from ringjax.dispatch import costs
-    from ringjax.strategies import plan
 
-    calibration, chip = costs.load(device_kind), plan.chip_for(device_kind)
-    hbm = (calibration.hbm_bytes if calibration else 0.0) or (chip.hbm_bytes if chip else 0.0)
+    calibration = costs.load(device_kind)
+    hbm = calibration.hbm_bytes if calibration else 0.0
     return _XLA_MEMORY_FRACTION * hbm if hbm else None
 
 
