@@ -327,6 +327,7 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
     lines = [str(report.build(op, implementation, problem, reg.name, selection.config, selection.source,
                               strat.describe(), reason))]
     calibration = costs.load(device_kind)
+    predicted = None
     if devices > 1 and calibration is not None:
         runnable = [spread.bind(name, axis, sizes) for name in ("ring", "all_gather", "ulysses")
                     if spread._refusal(spread.bind(name, axis, sizes), base, implementation, op) is None]
@@ -334,7 +335,8 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
         if predicted:
             lines += ["", f"strategies on {devices} x {device_kind} (predicted; strategy='auto' picks "
                           f"{plan.best_strategy(predicted).strategy}):", plan.strategy_table(predicted)]
-    if devices > 1 and platform == "gpu" and registry.described(problem):
+    fused = getattr(selection.config, "fused", False) or any("fused ring" in c.note for c in predicted or ())
+    if fused and platform == "gpu" and registry.described(problem):
         lines += ["", f"(the fused ring judged for one process holding the {devices} GPUs; with one process per GPU "
                       "it is refused and the step ring runs)"]
     lines += ["", "(nothing was run: predictions from " + (calibration.where if calibration else

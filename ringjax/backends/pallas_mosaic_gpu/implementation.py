@@ -207,7 +207,11 @@ def fuses_ring(problem: Problem) -> bool:
     opts = problem.opts
     if opts.axis_name is None or opts.axis_size == 1 or problem.platform != "gpu":  # no ring
         return False
-    if described_host(problem):  # as `registry.refusal` does, its jax and GPUs are assumed to run the kernels
+    from ringjax.dispatch import registry
+
+    # a GPU this host lacks (`explain --device-kind`): judged for one process holding all of the ring's GPUs, the
+    # single-host case, its jax and GPUs assumed to run the kernels as `registry.refusal` assumes
+    if registry.described(problem):
         host, memory = (opts.axis_size, 1), _described_memory_bytes(problem.device_kind)
     else:
         if _jax_refusal() or _device_refusal(problem.platform):
@@ -218,15 +222,6 @@ def fuses_ring(problem: Problem) -> bool:
     if opts.gather_kv:
         return True
     return memory is not None and fused_ring_bytes(problem) <= FUSED_MEMORY_FRACTION * memory
-
-
-def described_host(problem: Problem) -> bool:
-    """Whether `problem` names a GPU this host does not have (`python -m ringjax explain --device-kind`): the
-    fused ring is then judged for one process holding all of the ring's GPUs, the single-host case (with one
-    process per GPU the step ring runs; `_fused_refusal` says why)."""
-    from ringjax.dispatch import registry
-
-    return registry.described(problem)
 
 
 # the share of a GPU's memory XLA allocates by default (XLA_PYTHON_CLIENT_MEM_FRACTION)
