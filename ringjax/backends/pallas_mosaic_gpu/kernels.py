@@ -437,6 +437,44 @@ def _mma(accs, terms, emulate: bool = False, between=None):
     return list(pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
+def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None):
+    """`_mma` that issues every term, then reads accumulator `early` as soon as its products (and those issued
+    before them) are done and runs `then(value)` while the later ones are still in flight: FlashAttention-3's
+    overlap of a softmax or a store with the next matmuls. `before[i]()` runs just before term i is issued.
+    An acc is an array to add to, or a shape for a fresh zero one. Returns `then`'s result and every
+    accumulator's final value; with any acc an array `then` may only act, and returns None (a value cannot
+    leave `pl.run_state`)."""
+    terms = [t if isinstance(t, list) else [t] for t in terms]
+    before = before or {}
+    fresh = all(isinstance(a, tuple) for a in accs)
+    if emulate:
+        out = []
+        for i, (acc, parts) in enumerate(zip(accs, terms)):
+            if i in before:
+                before[i]()
+            out += _mma([_zeros(acc) if isinstance(acc, tuple) else acc], [parts], emulate)
+        return then(out[early]), out
+    later = sum(len(parts) for parts in terms[early + 1:])  # wgmma groups still in flight when it is read
+
+    def body(*refs):
+        for i, (ref, parts) in enumerate(zip(refs, terms)):
+            if i in before:
+                before[i]()
+            for a, b, tb in parts:
+                a = a.ref.transpose((1, 0)) if isinstance(a, _T) else a
+                plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
+        got = then(plgpu.wgmma_accumulator_load(refs[early], wait_n=later))
+        if fresh:
+            return got, [ref[...] for ref in refs]
+        assert got is None, "then() of an accumulating _mma_early returns nothing"
+
+    if fresh:
+        return pl.run_scoped(body, *(plgpu.ACC(a, jnp.float32) for a in accs))
+    out = pl.run_state(lambda refs: body(*refs))(
+        tuple(plgpu.ACC.init(_zeros(a) if isinstance(a, tuple) else a) for a in accs))
+    return None, list(out)
+
+
 def _interpret(config: MosaicGpuConfig) -> dict:
     return {"interpret": plgpu.InterpretGPUParams()} if config.interpret else {}
 
@@ -1328,7 +1366,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
 
                 def step(i, blk, carry, kind):
-                    dk, dv, *calls = carry  # fused: the count of block_dq calls so far, whose parity picks a buffer
+                    dk, dv, *calls = carry  # fused: the count of blocks whose dQ was added, whose parity picks a buffer
                     slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(lse_bar.at[slot])
@@ -1343,9 +1381,10 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                             @pl.when(seen)
                             def _():
-                                ds_smem.at[calls[0] % 2, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
-                                plgpu.commit_smem()
-                                block_dq(calls[0], gi, blk)
+                                zeros = jnp.zeros((ROWS, bq), q_ref.dtype)
+                                share, terms, write = block_dq_parts(calls[0], gi, blk, zeros)
+                                share()
+                                write(_mma([_zeros((bq, _DQ_COLS))], [terms], emulate)[0])
 
                             return dk, dv, calls[0] + seen.astype(jnp.int32)
                         return carry
@@ -1355,31 +1394,38 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     # its head_dim half over all the queries, its own P^T and dS^T and the other consumer's, met in
                     # shared memory
                     qs, cols = (pl.ds(pl.multiple_of(wg * half, half), half), half) if walk.split else ((), bq)
-                    if walk.split:
-                        halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
-                        (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
-                    else:
-                        st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
                     pos = None
                     if _needs_positions(opts, kind):  # rows: keys
                         qpos0 = qstart_ref[blk] + (wg * half * walk.col_stride if walk.split else 0)
-                        pos = _tile_positions(st.shape, kpos0, qpos0, walk)
-                    st2, t = _scores2(st, opts, mods.distance(pos), mods)
-                    lse = plgpu.load(lse_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
-                    pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
-                    if kind == "masked":
-                        blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
-                        qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
-                        pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
-                    keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
-                    kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
-                    pt16 = kept.astype(q_ref.dtype)
+                        pos = _tile_positions((ROWS, cols), kpos0, qpos0, walk)
 
-                    if walk.split:
+                    def probs(st):
+                        """P^T (dropped out: its float32 and the kept bf16), the dropout mask, the soft cap's t."""
+                        st2, t = _scores2(st, opts, mods.distance(pos), mods)
+                        lse = plgpu.load(lse_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
+                        pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                        if kind == "masked":
+                            blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
+                            qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
+                            pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
+                        keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
+                        kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
+                        return pt, kept.astype(q_ref.dtype), keep, t
+
+                    if with_dq:
+                        # FlashAttention-3's order: dP^T is issued with S^T and computes while P^T does
+                        terms = [(k_smem.at[wg], q_smem.at[slot], True), (v_smem.at[wg], do_smem.at[slot], True)]
+                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate)
+                    elif walk.split:
+                        halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
+                        (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
+                        pt, pt16, keep, t = probs(st)
                         (dpt,) = _mma([_zeros((ROWS, cols))],
                                       [[(v_smem.at[j], do_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]],
                                       emulate)
                     else:
+                        st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
+                        pt, pt16, keep, t = probs(st)
                         terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
                         dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
                     if keep is not None:
@@ -1411,35 +1457,40 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                      emulate)
                         plgpu.barrier_arrive(free.at[slot])
                         return dk, dv
-                    # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ
-                    ds_smem.at[calls[0] % 2, wg][...] = dst16
-                    plgpu.commit_smem()
-                    dk = block_dq(calls[0], gi, blk, dk, (dst16, q_smem.at[slot], False))
+                    # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ. dV is
+                    # issued first, on P^T in registers, and computes while dS^T is stored; dQ's add into global
+                    # memory leaves while dK computes (FlashAttention-3's order)
+                    share, dq_terms, write = block_dq_parts(calls[0], gi, blk, dst16)
+                    terms = [(pt16, do_smem.at[slot], False), dq_terms, (dst16, q_smem.at[slot], False)]
+                    _, (dv, _, dk) = _mma_early([dv, (bq, _DQ_COLS), dk], terms, 1, write, emulate, before={1: share})
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv, calls[0] + 1
 
-                def block_dq(n, gi, blk, dk=None, dk_term=None):
-                    """Add dQ of query block `blk` over the CTA's 128 keys into global memory (and dK's term, issued
-                    with it): consumer wg takes half wg of the columns over both consumers' dS^T, once both are
-                    stored (head_dim 128), or its own 64 keys' share of all 64 columns (head_dim 64: a half would
-                    be narrower than a swizzled row)."""
+                def block_dq_parts(n, gi, blk, dst16):
+                    """For dQ of query block `blk` over the CTA's 128 keys, added into global memory: `share()`
+                    stores this consumer's dS^T and meets the other's; dQ's wgmma terms; `write(dq)`. Consumer
+                    wg takes half wg of the columns over both consumers' dS^T (head_dim 128), or its own 64
+                    keys' share of all 64 columns (head_dim 64: a half would be narrower than a swizzled row)."""
                     buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
                     if d == _DQ_COLS:
                         tiles, cols = [wg], pl.ds(0, d)
                     else:
-                        plgpu.barrier_arrive(ds_bar.at[buf])
-                        plgpu.barrier_wait(ds_bar.at[buf])
                         tiles, cols = _parts(wg), pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
-                    terms = [[(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]]
-                    accs = [_zeros((bq, _DQ_COLS))]
-                    if dk_term is not None:
-                        accs, terms = [dk, *accs], [dk_term, *terms]
-                    *dk, dq = _mma(accs, terms, emulate)
-                    rows = pl.ds(blk * bq, bq)
-                    h = kvh * groups + gi
-                    dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                    _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-                    return dk[0] if dk else None
+
+                    def share():
+                        ds_smem.at[buf, wg][...] = dst16
+                        plgpu.commit_smem()
+                        if d != _DQ_COLS:
+                            plgpu.barrier_arrive(ds_bar.at[buf])
+                            plgpu.barrier_wait(ds_bar.at[buf])
+
+                    def write(dq):
+                        rows = pl.ds(blk * bq, bq)
+                        h = kvh * groups + gi
+                        dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                        _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
+
+                    return share, [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles], write
 
                 return _walk_tile(span, my, step, carry, walk)
 
