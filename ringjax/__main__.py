@@ -335,7 +335,7 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
         if predicted:
             lines += ["", f"strategies on {devices} x {device_kind} (predicted; strategy='auto' picks "
                           f"{plan.best_strategy(predicted).strategy}):", plan.strategy_table(predicted)]
-    fused = getattr(selection.config, "fused", False) or any("fused ring" in c.note for c in predicted or ())
+    fused = getattr(selection.config, "fused", False) or any(c.fused for c in predicted or ())
     if fused and platform == "gpu" and registry.described(problem):
         lines += ["", f"(the fused ring judged for one process holding the {devices} GPUs; with one process per GPU "
                       "it is refused and the step ring runs)"]

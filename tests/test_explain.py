@@ -445,6 +445,7 @@ def test_a_fused_ring_pays_its_copies_and_no_step_costs():
     assert fused.total_s == pytest.approx(kernel.fwd_bwd_s + shown * (shift.seconds(kv) + shift.seconds(3 * kv)))
     assert fused.total_s < step.total_s and fused.memory_bytes == 3 * kv
     assert "(fused ring)" in fused.note and "(fused ring)" not in step.note
+    assert fused.fused and not step.fused
     # a device kind this CPU host lacks is judged for one process holding both GPUs: the heuristic's config, and
     # so the default, is the fused ring
     default, = predict.strategy_costs(base, [ring], calibration, implementation=impl)

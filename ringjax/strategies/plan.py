@@ -365,6 +365,7 @@ class StrategyCost:
     memory_bytes: float  # buffers beyond the local q, k, v, out and their gradients (backward peak)
     fits: bool  # memory_bytes within memory_fraction of HBM
     note: str = ""  # why it cannot run, or what dominates
+    fused: bool = False  # K/V move inside the kernels (a fused ring's pass, or an all-gather by its kernel)
 
     @property
     def total_s(self) -> float:
@@ -558,11 +559,11 @@ def _subshard_walk(causal: bool, layout: str, n: int, seq_len: int) -> tuple[flo
     return rows / visible, (rows + cols) / 2 / visible
 
 
-def _cost(name, fwd, bwd, comm, memory, budget, note) -> StrategyCost:
+def _cost(name, fwd, bwd, comm, memory, budget, note, fused: bool = False) -> StrategyCost:
     fits = memory <= budget
     if not fits:
         note = f"needs {memory / 2**30:.1f} GiB, over the memory budget of {budget / 2**30:.1f} GiB"
-    return StrategyCost(name, fwd, bwd, comm, memory, fits, note)
+    return StrategyCost(name, fwd, bwd, comm, memory, fits, note, fused)
 
 
 # the model cannot tell strategies apart by less than this: the ring (least memory, no

@@ -73,12 +73,8 @@ def strategy_costs(base: registry.Problem, strategies, calibration: costs.Calibr
         sort = _token_sort_s(strategy, base, calibration, notes)
         hbm = calibration.hbm_bytes or (getattr(plan.chip_for(calibration.device_kind), "hbm_bytes", 0.0))
         budget = memory_fraction * hbm if hbm else math.inf
-        cost = plan.StrategyCost(strategy.name, kernel.fwd_s + fwd + sort,
-                                 kernel.fwd_bwd_s - kernel.fwd_s + bwd + sort, fwd + bwd, memory, memory <= budget,
-                                 "; ".join(notes))
-        if not cost.fits:
-            cost = plan._cost(cost.strategy, cost.fwd_s, cost.bwd_s, cost.comm_s, memory, budget, "")
-        out.append(cost)
+        out.append(plan._cost(strategy.name, kernel.fwd_s + fwd + sort, kernel.fwd_bwd_s - kernel.fwd_s + bwd + sort,
+                              fwd + bwd, memory, budget, "; ".join(notes), in_kernel))
     return tuple(out)
 
 
