@@ -587,6 +587,17 @@ def test_explain_names_a_gpu_on_a_cpu_host():
     assert "strategies on 8 x NVIDIA H200" in text and "nothing was run" in text
 
 
+def test_explain_says_which_backward_the_shipped_config_runs():
+    """The H200's shipped config for 32K tokens not causal asks for the fused backward (faster there since
+    2026-11-28); `deterministic=True` runs the two kernels, and the report says why."""
+    kw = dict(shape=(1, 32768, 32, 128), kv_heads=8, causal=False, device_kind=H200)
+    text = explain(**kw)
+    assert "shipped config" in text.splitlines()[0] and '"bwd_fused": true' in text.splitlines()[0]
+    assert "backward: one fused kernel (dQ added by TMA reduce-add)" in text
+    assert "deterministic=True (the fused backward's dQ sums in no fixed order)" in explain(deterministic=True, **kw)
+    assert "backward:" not in explain(**{**kw, "causal": True})  # the split kernels, asked for: nothing to say
+
+
 @pytest.mark.parametrize("kind", ["TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6e"])
 def test_explain_names_a_tpu_on_a_cpu_host(kind):
     """A TPU kind this host lacks: its heuristic config (the step ring: `TpuConfig(fused=True)` is opt-in), every

@@ -367,6 +367,29 @@ def test_fused_backward_where_it_fits(kw, head_dim, v_head_dim, config, fused):
     assert fuses_backward(AttentionOptions(**kw), config, head_dim, v_head_dim) is fused
 
 
+@pytest.mark.parametrize("kw, problem_kw, config, says", [
+    (dict(causal=True), {}, SMALL, None),  # not asked for: nothing to say
+    (dict(causal=True), {}, FUSED, "backward: one fused kernel (dQ added by TMA reduce-add)"),
+    (dict(causal=True), {}, dataclasses.replace(FUSED, dkv_num_stages=3),
+     "not the fused one asked for: its dS^T tiles do not fit beside dkv_num_stages=3 stages (231,936 bytes"),
+    (dict(causal=True, deterministic=True), {}, FUSED, "not the fused one asked for: deterministic=True"),
+    (dict(causal=True, has_alibi=True), {}, FUSED, "not the fused one asked for: ALiBi"),
+    (dict(causal=True), dict(head_dim=256), FUSED, "not the fused one asked for: head_dim 256 / v_head_dim 256"),
+    (dict(causal=True), {}, dataclasses.replace(FUSED, dkv_block_q=128), "dkv_block_q=128 (it takes 64)"),
+    (dict(causal=True, axis_name="sp", axis_size=2), {}, dataclasses.replace(FUSED, fused=True),
+     "bwd_fused: the fused ring's backward runs its own dQ and dK/dV kernels"),
+])
+def test_config_note_says_which_backward_runs(kw, problem_kw, config, says):
+    """An asked-for fused backward that cannot run falls back to the two kernels; the report says so and why."""
+    note = IMPLEMENTATION.config_note(_problem(opts=AttentionOptions(**kw), **problem_kw), config)
+    assert (note == "") if says is None else (says in note), note
+    if says is not None and "not the fused one" in says:
+        from ringjax.backends.pallas_mosaic_gpu.kernels import fuses_backward
+
+        p = _problem(opts=AttentionOptions(**kw), **problem_kw)
+        assert not fuses_backward(p.opts, config, p.head_dim, p.v_head_dim)
+
+
 @needs_kernels
 def test_step_with_row_tile_pairing_under_gqa():
     """pair_heads=False: the two consumers take two row tiles of one head even when heads could pair."""
@@ -608,8 +631,8 @@ def test_fused_ring_lowers_to_one_kernel_for_cuda(n, segments, persistent):
 def test_fused_ring_backward_above_head_dim_128_is_the_step_ring():
     """Head_dims the fused backward cannot take (its copies stage through unsplit query slots) keep the fused
     forward and run the ring of step kernels backward."""
+    from ringjax.backends.pallas_mosaic_gpu.config import supports_fused_bwd
     from ringjax.backends.pallas_mosaic_gpu.implementation import FUSED_FWD_KERNEL, FUSED_KERNEL
-    from ringjax.backends.pallas_mosaic_gpu.kernels import supports_fused_bwd
 
     assert supports_fused_bwd(128, 128) and supports_fused_bwd(64, 64)
     assert not supports_fused_bwd(256, 256) and not supports_fused_bwd(192, 128)

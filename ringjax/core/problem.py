@@ -73,7 +73,9 @@ class Problem:
 
 
 class Implementation(Protocol):
-    """What a backend module exposes as `IMPLEMENTATION`."""
+    """What a backend module exposes as `IMPLEMENTATION`. It may also define `config_note(problem, config) -> str`:
+    what running `config` on `problem` does that the config does not say (e.g. an asked-for fused backward that
+    falls back), for the "ringjax.implementation" report; "" for nothing."""
 
     name: str
     config_type: type

@@ -28,6 +28,7 @@ class Report:
     strategy_reason: str
     candidates: tuple[registry.Candidate, ...]
     calibration: str  # the calibration file behind the predictions, "" if none
+    config_note: str = ""  # what the config changes that it does not say (`Implementation.config_note`)
 
     def __str__(self) -> str:
         p = self.problem
@@ -53,6 +54,8 @@ class Report:
             f"head_dim {p.head_dim}{v_dim}, {p.dtype}{precision}, {masks}; "
             f"{p.opts.axis_size} on the ring, layout {layout}; {p.device_kind or p.platform}{deterministic}",
         ]
+        if self.config_note:
+            lines.append(f"  {self.config_note}")
         if self.asked != "auto":
             lines.append(f"  implementation={self.asked!r} was asked for")
         elif self.calibration and any(c.prediction for c in self.candidates):
@@ -79,8 +82,10 @@ def build(op: str, asked: str, problem: registry.Problem, implementation: str, c
     if asked != "auto" and all(c.name != implementation for c in found):
         found = registry.candidates(op, asked, problem) + found
     calibration = costs.for_problem(problem)
+    reg = next((r for r in registry.registrations(op) if r.name == implementation), None)
+    note = getattr(reg.load(), "config_note", None) if reg is not None and config is not None else None
     return Report(op, asked, problem, implementation, config, config_source, strategy, strategy_reason,
-                  tuple(found), calibration.where if calibration else "")
+                  tuple(found), calibration.where if calibration else "", note(problem, config) if note else "")
 
 
 def announce(make: Callable[[], Report]) -> None:

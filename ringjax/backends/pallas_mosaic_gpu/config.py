@@ -19,6 +19,18 @@ def epilogue_slots(head_dim: int) -> int:
     return 1 if head_dim > 128 else 2
 
 
+def split_head_dim(head_dim: int, v_head_dim: int | None = None) -> bool:
+    """Whether the backward kernels split the head_dims between the two consumers (`kernels._Walk.split`): when
+    q/k's or v's (None: q/k's) exceeds 128."""
+    return max(head_dim, head_dim if v_head_dim is None else v_head_dim) > 128
+
+
+def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
+    """Whether `kernels.fused_ring_bwd` can run: its copy CTAs stage K/V through the dK/dV kernel's whole-width
+    query slots, which head_dims above 128 split in halves."""
+    return not split_head_dim(head_dim, v_head_dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicGpuConfig(KernelConfig):
     """Block sizes and pipeline depths of the forward, dQ and dK/dV kernels.
@@ -32,7 +44,8 @@ class MosaicGpuConfig(KernelConfig):
     (the dK/dV kernel also adds each block's dQ into global memory by TMA reduce-add, the
     softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
     head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
-    its dS^T tiles beside `dkv_num_stages` stages) the two kernels do. Its dQ
+    its dS^T tiles beside `dkv_num_stages` stages: `split_bwd_reason`) the two kernels do, and the
+    "ringjax.implementation" report says which ran and why. Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
     with the op's `deterministic=True`. `fused`: the forward ring as one kernel per call that copies the
     other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it
@@ -69,7 +82,7 @@ class MosaicGpuConfig(KernelConfig):
         head_dim wide, v and dO tiles v_head_dim (None: head_dim)."""
         d, dv = head_dim, head_dim if v_head_dim is None else v_head_dim
         w = (d + dv) * itemsize  # a row of a q and a dO tile, or of a K and a V tile
-        # the backward's consumers share their tiles when they split the head_dims (kernels.split_head_dim)
+        # the backward's consumers share their tiles when they split the head_dims (split_head_dim)
         bwd_tiles = ROWS * w * (1 if max(d, dv) > 128 else 2)
         epilogue = 2 * epilogue_slots(max(d, dv)) * ROWS * 32 * 4  # float32 slots of 32 columns per warpgroup
         seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
@@ -87,6 +100,27 @@ class MosaicGpuConfig(KernelConfig):
         consumer and call parity and the 1 KiB alignment a swizzled buffer may need."""
         dkv = self.smem_bytes(head_dim, itemsize, segments, v_head_dim)["dkv"]
         return dkv + 4 * ROWS * self.dkv_block_q * itemsize + 1024
+
+    def split_bwd_reason(self, opts, head_dim: int, v_head_dim: int, itemsize: int = 2) -> str | None:
+        """Why a step's backward with `bwd_fused` runs the dQ and dK/dV kernels instead of the fused one, or None
+        when it runs fused. Its dQ tile is [64 queries, head_dim] and leaves in an even number of 32-column
+        chunks; ALiBi's slope gradient is summed in the dQ kernel; its dS^T tiles need shared memory beside the
+        dK/dV kernel's; TMA reduce-adds sum dQ in no fixed order."""
+        if not self.bwd_fused:
+            return "bwd_fused is off"
+        if opts.deterministic:
+            return "deterministic=True (the fused backward's dQ sums in no fixed order)"
+        if opts.has_alibi:
+            return "ALiBi (its slope gradient is summed in the dQ kernel)"
+        if head_dim not in (64, 128) or v_head_dim > 128:
+            return f"head_dim {head_dim} / v_head_dim {v_head_dim} (it takes head_dim 64 or 128, v up to 128)"
+        if self.dkv_block_q != ROWS:
+            return f"dkv_block_q={self.dkv_block_q} (it takes {ROWS})"
+        need = self.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim)
+        if need > SMEM_LIMIT - 1024:
+            return (f"its dS^T tiles do not fit beside dkv_num_stages={self.dkv_num_stages} stages ({need:,} bytes "
+                    f"of shared memory against {SMEM_LIMIT - 1024:,}; fewer stages fit)")
+        return None
 
 
 DECODE_BLOCKS = (64, 128, 256)

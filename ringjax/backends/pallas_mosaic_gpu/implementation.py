@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, supports_fused_bwd
 from ringjax.core.problem import Problem
 from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
 from ringjax.core.schedule import ring_plan
@@ -285,17 +285,34 @@ class PallasMosaicGpuImplementation:
                         out.append(cfg)
         return out
 
+    def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
+        """Which backward runs where `config` asks for the fused one (it falls back to the dQ and dK/dV kernels
+        where it cannot run: `MosaicGpuConfig.split_bwd_reason`); "" where it does not ask."""
+        if not getattr(config, "bwd_fused", False):
+            return ""
+        if _fused_ring_backward(problem, config):
+            return "bwd_fused: the fused ring's backward runs its own dQ and dK/dV kernels"
+        itemsize = 4 if problem.dtype == "float32" else 2
+        why = config.split_bwd_reason(problem.opts, problem.head_dim, problem.v_head_dim, itemsize)
+        return ("backward: one fused kernel (dQ added by TMA reduce-add)" if why is None
+                else f"backward: the dQ and dK/dV kernels, not the fused one asked for: {why}")
+
     def run(self, problem: Problem, config: MosaicGpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         why = _refusal(problem, config)
         if why is not None:  # an explicit config= can ask for more than supports() checked
             raise ValueError(f"pallas_mosaic_gpu cannot run this call: {why}")
         kernel, opts = KERNEL, problem.opts
         if config.fused and opts.axis_name is not None and opts.axis_size > 1:  # else no ring
-            from ringjax.backends.pallas_mosaic_gpu.kernels import supports_fused_bwd
-
-            kernel = FUSED_KERNEL if supports_fused_bwd(*problem.head_dims) else FUSED_FWD_KERNEL
+            kernel = FUSED_KERNEL if _fused_ring_backward(problem, config) else FUSED_FWD_KERNEL
             opts = problem.as_ring().opts  # the all-gather strategy: the gather inside the kernel
         return ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+def _fused_ring_backward(problem: Problem, config: MosaicGpuConfig) -> bool:
+    """Whether the backward is the fused ring's (else each step's `block_bwd`)."""
+    opts = problem.opts
+    return (config.fused and opts.axis_name is not None and opts.axis_size > 1
+            and supports_fused_bwd(*problem.head_dims))
 
 
 IMPLEMENTATION = PallasMosaicGpuImplementation()

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, epilogue_slots
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots, split_head_dim
 from ringjax.core.dense import few_keys_grads
 from ringjax.core.masks import Extras, StepOptions, TokenInfo, is_sink_step, may_skip, visible_pairs
 from ringjax.core.modifiers import (
@@ -92,12 +92,6 @@ class _Walk:
     # shared memory, the dQ kernel's sum their dQ once at the end); tiles are stored as two halves
     # [2, rows, d / 2] and the scores sum a wgmma per half
     split: bool = False
-
-
-def split_head_dim(head_dim: int, v_head_dim: int | None = None) -> bool:
-    """Whether the backward kernels split the head_dims between the two consumers (`_Walk.split`): when q/k's
-    or v's (None: q/k's) exceeds 128."""
-    return max(head_dim, head_dim if v_head_dim is None else v_head_dim) > 128
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -240,6 +234,19 @@ def _scores2(raw, opts, dist, mods: _Mods):
     if dist is not None:
         s2 = s2 + (mods.slope * LOG2E) * dist
     return s2, t
+
+
+def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None):
+    """The backward's recomputed softmax of a raw score tile (rows queries, or keys: transposed): P = exp2 of the
+    base-2 logits less the rows' (or columns') base-2 lse, masked where `segments` (row ids, column ids) is
+    given; with the dropout keep mask, the soft cap's tanh and ALiBi's distances (each None where unused)."""
+    dist = mods.distance(pos)
+    s2, t = _scores2(s, opts, dist, mods)
+    p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0 if rows_are_queries else 1]))
+    if segments is not None:
+        p = jnp.where(_mask(opts, p.shape, pos, rows_are_queries, *segments), p, 0.0)
+    keep = mods.keep(opts, pos, rows_are_queries) if opts.dropout_rate > 0 else None
+    return p, keep, t, dist
 
 
 def _bounds(rng_ref, row, tile, n_blocks: int, walk: _Walk):
@@ -1207,14 +1214,11 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             if _needs_positions(opts, kind):
                 pos = _tile_positions(s.shape, qpos0, kstart[blk] + (wg * half * walk.col_stride if walk.split else 0),
                                       walk)
-            dist = mods.distance(pos)
-            s2, t = _scores2(s, opts, dist, mods)
-            p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0]))
+            segs = None
             if kind == "masked":
                 blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bk)
-                kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk_part, size, wg, 0)
-                p = jnp.where(_mask(opts, p.shape, pos, True, qseg, kseg), p, 0.0)
-            keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
+                segs = qseg, _segments(kseg_j, kseg_smem, seg_bar, b, blk_part, size, wg, 0)
+            p, keep, t, dist = _probs(s, opts, mods, pos, lse, True, segs)
             if keep is not None:
                 dp = jnp.where(keep, dp * _keep_scale(opts), 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))  # d loss / d logit
@@ -1401,14 +1405,12 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                     def probs(st):
                         """P^T (dropped out: its float32 and the kept bf16), the dropout mask, the soft cap's t."""
-                        st2, t = _scores2(st, opts, mods.distance(pos), mods)
                         lse = plgpu.load(lse_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
-                        pt = jnp.exp2(st2 - lax.broadcast_in_dim(lse, st2.shape, [1]))
+                        segs = None
                         if kind == "masked":
                             blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
-                            qseg = _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
-                            pt = jnp.where(_mask(opts, pt.shape, pos, False, kseg, qseg), pt, 0.0)
-                        keep = mods.keep(opts, pos, False) if opts.dropout_rate > 0 else None
+                            segs = kseg, _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
+                        pt, keep, t, _ = _probs(st, opts, mods, pos, lse, False, segs)
                         kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                         return pt, kept.astype(q_ref.dtype), keep, t
 
@@ -1656,12 +1658,6 @@ def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[T
     return dq, dk, dv, None if dslope is None else dslope.sum(axis=(0, 2))
 
 
-def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
-    """Whether `fused_ring_bwd` can run: its copy CTAs stage K/V through the dK/dV kernel's whole-width query
-    slots, which head_dims above 128 split in halves."""
-    return not split_head_dim(head_dim, v_head_dim)
-
-
 def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, ring=None, recv=(),
                out_dtype=jnp.float32):
     """dQ (and ALiBi's per-row slope gradient): rows are query tiles, K/V blocks stream. `ring` (axis_name,
@@ -1714,13 +1710,8 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
 def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: int, v_head_dim: int,
                    itemsize: int = 2) -> bool:
     """Whether `block_bwd` runs the fused kernel (dQ added into global memory from the dK/dV kernel) rather than
-    a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused` (and not `opts.deterministic`: TMA
-    reduce-adds sum dQ in no fixed order), and only where it fits. Its dQ tile is
-    [64 queries, head_dim] (64-query blocks) and leaves in an even number of 32-column chunks; ALiBi's slope
-    gradient is summed in the dQ kernel; its dS^T tiles need shared memory beside the dK/dV kernel's."""
-    fits = config.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim) <= SMEM_LIMIT - 1024
-    return (config.bwd_fused and not opts.deterministic and not opts.has_alibi and head_dim in (64, 128)
-            and v_head_dim <= 128 and config.dkv_block_q == ROWS and fits)
+    a dQ kernel and a dK/dV kernel: asked for by `config.bwd_fused`, where it can (`split_bwd_reason`)."""
+    return config.split_bwd_reason(opts, head_dim, v_head_dim, itemsize) is None
 
 
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False,
