@@ -582,28 +582,41 @@ def peak_memory(devices) -> dict:
 
 
 def run_million(args, rec: Recorder):
-    """One long causal zigzag fwd+bwd over N devices: seconds, TFLOP/s and peak memory per device."""
+    """One long causal zigzag fwd+bwd over N devices: seconds, TFLOP/s and peak memory per device. With
+    --variant: the config `--implementation` runs by itself, then each variant's, one after the other."""
     shape, n, t = args.shape, args.devices, args.tokens
     mesh = make_mesh((n,), ("sp",))
     case = {"tokens": t, "devices": n, "layout": "zigzag", "causal": True, **dataclasses.asdict(shape)}
-    try:
-        inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
-        fwd, fwd_bwd = attention_fns(sharded_ring(mesh, args.implementation))
-        with ringjax_log() as log:
-            start = time.perf_counter()
-            jax.block_until_ready(fwd_bwd(*inputs))  # compiles; the first warm-up
-            first_s = time.perf_counter() - start
-        seconds = timeit(fwd_bwd, *inputs, reps=args.reps, warmup=max(0, args.warmup - 1), budget_s=args.budget)
-        memory = peak_memory(list(mesh.devices.flat))
-        check = {}
-        if t <= args.check_max_tokens:  # small enough for one device: the ring's output against it
-            one = [natural(x, n) for x in inputs[:3]]
-            check = errors(natural(fwd(*inputs[:3]), n), jax.jit(ringjax_attention(args.implementation, True))(*one))
-    except Exception as e:  # noqa: BLE001 - e.g. out of memory
-        rec.add(case, error=failure(e))
-        return
-    rec.add(case, **picked(log), seconds=significant(seconds), first_call_s=significant(first_s, 3),
-            tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check)
+    base = None
+    for overrides in [{}] + args.variant:
+        row_case = {**case, "variant": variant_name(overrides)} if args.variant else case
+        try:
+            inputs = random_inputs(shape, t, NamedSharding(mesh, P(None, "sp")))
+            config = dataclasses.replace(base, **overrides) if overrides else None
+            fwd, fwd_bwd = attention_fns(sharded_ring(mesh, args.implementation, config=config))
+            with ringjax_log() as log:
+                start = time.perf_counter()
+                jax.block_until_ready(fwd_bwd(*inputs))  # compiles; the first warm-up
+                first_s = time.perf_counter() - start
+            if args.variant and base is None:
+                base = log.reports[-1].config if log.reports else None
+                if base is None:
+                    raise SystemExit(f"--variant: {args.implementation} logged no config to vary")
+            seconds = timeit(fwd_bwd, *inputs, reps=args.reps, warmup=max(0, args.warmup - 1), budget_s=args.budget)
+            memory = peak_memory(list(mesh.devices.flat))
+            check = {}
+            if t <= args.check_max_tokens:  # small enough for one device: the ring's output against it
+                one = [natural(x, n) for x in inputs[:3]]
+                whole = jax.jit(ringjax_attention(args.implementation, True))(*one)
+                check = errors(natural(fwd(*inputs[:3]), n), whole)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory
+            rec.add(row_case, error=failure(e))
+            continue
+        ran = {"config": ringjax.config_to_json(log.reports[-1].config)} if log.reports else {}
+        rec.add(row_case, **picked(log), seconds=significant(seconds), first_call_s=significant(first_s, 3),
+                tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check,
+                **ran)
+        del inputs, fwd, fwd_bwd
 
 
 def copy_rate(device, nbytes: int, args) -> float:
@@ -1191,12 +1204,14 @@ def parser() -> argparse.ArgumentParser:
         if "tokens_per_device" in suite.defaults:
             s.add_argument("--tokens-per-device", type=ints,
                            help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
-        if name == "step":
+        if name in ("step", "million"):
             s.add_argument("--variant", type=config_overrides, action="append", default=[],
                            metavar="KEY=VALUE[,...]",
                            help="A/B configs: also time --implementation's config with these fields replaced "
                                 "(repeatable; e.g. --implementation pallas_mosaic_gpu --variant persistent=false); "
-                                "rows carry 'variant' and 'round', and are meant for --out benchmarks/results/checks")
+                                "rows carry 'variant' (step: and 'round'), and are meant for --out "
+                                "benchmarks/results/checks")
+        if name == "step":
             s.add_argument("--rounds", type=int, default=2,
                            help="with --variant: interleaved rounds of the default and every variant (default 2)")
         if name == "ring":

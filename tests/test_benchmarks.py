@@ -237,6 +237,22 @@ def test_step_variants_time_configs_side_by_side(tmp_path):
     assert bad.returncode != 0 and "--variant needs --implementation" in bad.stderr
 
 
+def test_million_variants_time_each_config(tmp_path):
+    """million --variant: the implementation's own config, then each variant's, each row saying which ran."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    child = subprocess.run([sys.executable, str(BENCH), "million", "--tiny", "--implementation", "xla", "--tokens",
+                            "1024", "--variant", "block_q=64,block_kv=32", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = rows_of(tmp_path, "million")
+    assert [r["case"]["variant"] for r in rows] == ["default", "block_q=64,block_kv=32"]
+    assert rows[1]["config"] == {"block_q": 64, "block_kv": 32} and rows[0]["config"] != rows[1]["config"]
+    for r in rows:
+        assert r["implementation"] == "xla" and r["seconds"] > 0 and r["case"]["devices"] == 2
+        assert r["rel_err"] < BF16_ERR  # each against one device
+
+
 def test_report_writes_readme_tables_and_plots(results, tmp_path):
     out, runs = results
     readme = tmp_path / "README.md"
