@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -144,16 +145,33 @@ def test_triton_fused_backward_is_off_when_deterministic(monkeypatch):
     assert _triton_kernels_launched(monkeypatch, deterministic, fused) == ["ringjax_bwd_dq", "ringjax_bwd_dkv"]
 
 
-def test_triton_fused_config_with_deterministic_matches_reference():
-    """bwd_fused=True with deterministic=True (the split kernels) in the Triton interpreter, on a ring of 2."""
+@pytest.mark.parametrize("deterministic, says", [
+    (False, "backward: one fused kernel (dQ added by float32 atomics)"),
+    (True, "backward: the dQ and dK/dV kernels, not the fused one asked for: deterministic=True"),
+])
+def test_triton_config_note_says_which_backward_runs(deterministic, says):
+    from ringjax.backends.pallas_triton.implementation import IMPLEMENTATION
+    from ringjax.core.problem import Problem
+
+    problem = Problem(AttentionOptions(causal=True, deterministic=deterministic), batch=1, seq=256, heads=4,
+                      kv_heads=2, head_dim=64, dtype="bfloat16", platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+    assert IMPLEMENTATION.config_note(problem, GpuConfig(bwd_fused=True)).startswith(says)
+    assert IMPLEMENTATION.config_note(problem, GpuConfig()) == ""  # not asked for: nothing to say
+
+
+def test_triton_fused_config_with_deterministic_matches_reference(caplog):
+    """bwd_fused=True with deterministic=True (the split kernels) in the Triton interpreter, on a ring of 2; the
+    implementation report says the split kernels ran, and why."""
     on_gpu = jax.default_backend() == "gpu"
     impl = "pallas_triton" if on_gpu else "pallas_triton_interpret"
     config = GpuConfig(block_q=16, block_kv=16, num_warps=4, num_stages=2, bwd_block_q=16, bwd_block_kv=16,
                        bwd_fused=True, interpret=not on_gpu)
     x = make_inputs(7, seq=64)
-    with jax.default_matmul_precision("default"):
+    with jax.default_matmul_precision("default"), caplog.at_level(logging.INFO, logger="ringjax.implementation"):
         got = run_ring(x, 2, layout="zigzag", implementation=impl, config=config, causal=True, deterministic=True)
     check_against_reference(got, reference_for(x, causal=True), "float32")
+    assert "not the fused one asked for: deterministic=True" in caplog.text
+    assert "deterministic gradients" in caplog.text and "(no fused backward)" not in caplog.text
 
 
 # ---------------------------------------------------------------------------- the layers pass it to the op

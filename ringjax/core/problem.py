@@ -67,6 +67,11 @@ class Problem:
         return self.heads // self.kv_heads
 
     @property
+    def itemsize(self) -> int:
+        """Bytes of one element of q, k and v."""
+        return jax.numpy.dtype(self.dtype).itemsize
+
+    @property
     def head_dims(self) -> tuple[int, int]:
         """(q/k head_dim, v head_dim)."""
         return self.head_dim, self.v_head_dim or self.head_dim  # __post_init__ filled v_head_dim in

@@ -44,7 +44,8 @@ class Report:
                                      f" ({sum(n > 0 for row in docs for n in row) / len(docs):.3g} documents "
                                      "per row, from the ids)")
         v_dim = "" if p.v_head_dim == p.head_dim else f" (v {p.v_head_dim})"
-        deterministic = "; deterministic gradients (no fused backward)" if p.opts.deterministic else ""
+        # which backward that runs, where a config asked for a fused one, is its implementation's config_note
+        deterministic = "; deterministic gradients" if p.opts.deterministic else ""
         # subshards: each device's tokens are that many layout shards, concatenated (a hybrid's all-to-all)
         layout = p.opts.layout + (f" in {p.opts.subshards} subshards" if p.opts.subshards > 1 else "")
         lines = [

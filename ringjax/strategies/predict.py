@@ -89,9 +89,7 @@ FUSED_COPY_SHOWN = 0.5
 def _communication(strategy, base, problem, kernel: costs.Prediction, calibration, notes, fused: bool = False):
     """(exposed forward collective seconds, exposed backward seconds, extra memory bytes) of one strategy;
     `fused`: the ring's kernels copy K/V (backward: and the float32 dK/dV partials) themselves."""
-    import jax.numpy as jnp
-
-    s = jnp.dtype(base.dtype).itemsize
+    s = base.itemsize
     f32 = 4.0 / s
     n = strategy.num_shards
     q_loc = base.batch * base.seq * base.heads * base.head_dim * s
@@ -129,9 +127,7 @@ def _communication(strategy, base, problem, kernel: costs.Prediction, calibratio
 def _ulysses_arrays(base, n: int) -> tuple[float, ...]:
     """Bytes per device of the arrays a Ulysses all-to-all over n devices moves: q, k and v (K/V heads repeated to
     divide over n), out, lse."""
-    import jax.numpy as jnp
-
-    s = jnp.dtype(base.dtype).itemsize
+    s = base.itemsize
     repeat = math.lcm(base.kv_heads, n) / base.kv_heads
     k_rep, v_rep = (base.batch * base.seq * base.kv_heads * d * s * repeat for d in base.head_dims)
     return (base.batch * base.seq * base.heads * base.head_dim * s, k_rep, v_rep,

@@ -130,7 +130,7 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     if max(d, dv) > 128 and (d % _SPLIT_MULTIPLE or dv % _SPLIT_MULTIPLE):
         return (f"head_dim {d} with v head_dim {dv}: above 128 the backward splits both in halves, which must be "
                 f"multiples of 32 (head_dims multiples of {_SPLIT_MULTIPLE})")
-    for kernel, size in config.smem_bytes(d, 2, opts.has_segments, dv).items():
+    for kernel, size in config.smem_bytes(d, problem.itemsize, opts.has_segments, dv).items():
         if size > SMEM_LIMIT - 1024:
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
                     f"{SMEM_LIMIT} a Hopper block may use")
@@ -178,11 +178,9 @@ FUSED_MEMORY_FRACTION = 0.125
 def fused_ring_bytes(problem: Problem) -> int:
     """Memory the fused ring holds beyond the step ring's at its peak, the backward: the other sources' K/V and
     their float32 dK/dV partials (receive slots of every source but this device's own)."""
-    import jax.numpy as jnp
-
     others = ring_plan(problem.opts, problem.seq).num_steps - 1
     row = problem.batch * problem.seq * problem.kv_heads * (problem.head_dim + problem.v_head_dim)
-    return others * row * (jnp.dtype(problem.dtype).itemsize + 4)
+    return others * row * (problem.itemsize + 4)
 
 
 @functools.cache
@@ -279,7 +277,7 @@ class PallasMosaicGpuImplementation:
                 for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
                     cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
                                           dkv_num_stages=dkv_stages, pair_heads=pair_heads, fused=fused)
-                    sizes = cfg.smem_bytes(problem.head_dim, 2, problem.opts.has_segments,
+                    sizes = cfg.smem_bytes(problem.head_dim, problem.itemsize, problem.opts.has_segments,
                                            problem.v_head_dim).values()
                     if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
                         out.append(cfg)
@@ -288,12 +286,11 @@ class PallasMosaicGpuImplementation:
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
         """Which backward runs where `config` asks for the fused one (it falls back to the dQ and dK/dV kernels
         where it cannot run: `MosaicGpuConfig.split_bwd_reason`); "" where it does not ask."""
-        if not getattr(config, "bwd_fused", False):
+        if not config.bwd_fused:
             return ""
         if _fused_ring_backward(problem, config):
             return "bwd_fused: the fused ring's backward runs its own dQ and dK/dV kernels"
-        itemsize = 4 if problem.dtype == "float32" else 2
-        why = config.split_bwd_reason(problem.opts, problem.head_dim, problem.v_head_dim, itemsize)
+        why = config.split_bwd_reason(problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize)
         return ("backward: one fused kernel (dQ added by TMA reduce-add)" if why is None
                 else f"backward: the dQ and dK/dV kernels, not the fused one asked for: {why}")
 

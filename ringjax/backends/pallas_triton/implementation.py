@@ -5,12 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax.numpy as jnp
-
 from ringjax.backends.pallas_triton import SUPPORT
 from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
-from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd
+from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd, fuses_backward
 from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem, check_interpret
 from ringjax.core.ring import BlockKernel, ring_attention_shard
@@ -49,14 +47,10 @@ def refusal(problem: Problem, capability: tuple[int, int], limit: int) -> str | 
         return f"needs an NVIDIA GPU of compute capability >= {need}, this one has {'.'.join(map(str, capability))}"
     smallest = GpuConfig(block_q=MIN_BLOCK, block_kv=MIN_BLOCK, num_stages=1, bwd_block_q=MIN_BLOCK,
                          bwd_block_kv=MIN_BLOCK, bwd_num_stages=1)
-    too_big = cfg.over_limit(smallest, problem.head_dim, _itemsize(problem), limit, problem.v_head_dim)
+    too_big = cfg.over_limit(smallest, problem.head_dim, problem.itemsize, limit, problem.v_head_dim)
     if too_big:
         return f"even the smallest tiles do not fit: {too_big}"
     return None
-
-
-def _itemsize(problem: Problem) -> int:
-    return jnp.dtype(problem.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +63,7 @@ class PallasTritonImplementation:
         return refusal(problem, *_shared_memory(problem))
 
     def _fit(self, problem: Problem, config: GpuConfig) -> GpuConfig | None:
-        return cfg.fit(config, problem.head_dim, _itemsize(problem), _shared_memory(problem)[1], problem.v_head_dim)
+        return cfg.fit(config, problem.head_dim, problem.itemsize, _shared_memory(problem)[1], problem.v_head_dim)
 
     def default_config(self, problem: Problem) -> GpuConfig:
         warps = 4 if max(problem.head_dims) <= 64 else 8
@@ -92,11 +86,21 @@ class PallasTritonImplementation:
                     out.append(config)
         return out
 
+    def config_note(self, problem: Problem, config: GpuConfig) -> str:
+        """Which backward runs where `config` asks for the fused one (`kernels.fuses_backward`); "" where it
+        does not ask."""
+        if not config.bwd_fused:
+            return ""
+        if fuses_backward(problem.opts, config):
+            return "backward: one fused kernel (dQ added by float32 atomics)"
+        return ("backward: the dQ and dK/dV kernels, not the fused one asked for: deterministic=True (atomics sum "
+                "dQ in no fixed order)")
+
     def run(self, problem: Problem, config: GpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         check_interpret(self.name, self.interpret, config)
         capability, limit = _shared_memory(problem)
         used = cfg.used_blocks(config, problem.opts, problem.seq)
-        too_big = cfg.over_limit(used, problem.head_dim, _itemsize(problem), limit, problem.v_head_dim)
+        too_big = cfg.over_limit(used, problem.head_dim, problem.itemsize, limit, problem.v_head_dim)
         if too_big:
             raise ValueError(f"{self.name}: {config} does not fit this GPU (compute capability "
                              f"{'.'.join(map(str, capability))}): {too_big}; use smaller blocks or fewer stages, "
