@@ -55,6 +55,14 @@ def results(tmp_path_factory):
     return out, runs
 
 
+def run_bench(tmp_path: Path, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
+    """bench.py `args` with --out tmp_path in a child on `devices` simulated CPU devices (its own config cache)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    return subprocess.run([sys.executable, str(BENCH), *args, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
 def rows_of(out: Path, suite: str) -> list[dict]:
     (path,) = out.glob(f"*_{suite}.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -194,11 +202,7 @@ def test_suite_runs_on_cpu(results, suite):
 
 def test_coverage_candidates_judge_auto(tmp_path):
     """--candidates times what auto could have run beside its prediction (on a CPU: xla alone, unpredicted)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
-    child = subprocess.run([sys.executable, str(BENCH), "coverage", "--tiny", "--candidates", "--features",
-                            "plain,alibi", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                           env=env)
+    child = run_bench(tmp_path, "coverage", "--tiny", "--candidates", "--features", "plain,alibi")
     assert child.returncode == 0, child.stderr[-3000:]
     rows = rows_of(tmp_path, "coverage")
     assert [r["case"]["feature"] for r in rows] == ["plain", "alibi"]
@@ -213,11 +217,8 @@ def test_step_variants_time_configs_side_by_side(tmp_path):
     which config ran, compare the variant's output with the default's, and stay out of calibrations."""
     from ringjax.dispatch import calibrate
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
-    child = subprocess.run([sys.executable, str(BENCH), "step", "--tiny", "--implementation", "xla", "--variant",
-                            "block_q=64,block_kv=32", "--rounds", "2", "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=env)
+    child = run_bench(tmp_path, "step", "--tiny", "--implementation", "xla", "--variant", "block_q=64,block_kv=32",
+                      "--rounds", "2")
     assert child.returncode == 0, child.stderr[-3000:]
     rows = [r for r in rows_of(tmp_path, "step") if r["case"]["library"] == "ringjax"]
     got = [(r["case"]["causal"], r["case"]["variant"], r["case"]["round"]) for r in rows]
@@ -232,18 +233,14 @@ def test_step_variants_time_configs_side_by_side(tmp_path):
             assert all(0 <= x < 2e-2 for x in r["grads_vs_default"].values())
         assert calibrate.kernel_row(r, "x") is None
     assert "ringjax [block_q=64,block_kv=32]" in child.stdout
-    bad = subprocess.run([sys.executable, str(BENCH), "step", "--tiny", "--variant", "block_q=64", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    bad = run_bench(tmp_path, "step", "--tiny", "--variant", "block_q=64")
     assert bad.returncode != 0 and "--variant needs --implementation" in bad.stderr
 
 
 def test_million_variants_time_each_config(tmp_path):
     """million --variant: the implementation's own config, then each variant's, each row saying which ran."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=2", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
-    child = subprocess.run([sys.executable, str(BENCH), "million", "--tiny", "--implementation", "xla", "--tokens",
-                            "1024", "--variant", "block_q=64,block_kv=32", "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=env)
+    child = run_bench(tmp_path, "million", "--tiny", "--implementation", "xla", "--tokens", "1024", "--variant",
+                      "block_q=64,block_kv=32", devices=2)
     assert child.returncode == 0, child.stderr[-3000:]
     rows = rows_of(tmp_path, "million")
     assert [r["case"]["variant"] for r in rows] == ["default", "block_q=64,block_kv=32"]
