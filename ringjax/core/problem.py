@@ -77,6 +77,14 @@ class Problem:
         return self.head_dim, self.v_head_dim or self.head_dim  # __post_init__ filled v_head_dim in
 
 
+def fused_backward_note(how: str, fallback: str | None) -> str:
+    """`config_note` for a config that asks for the fused backward: the one kernel and `how` it adds dQ, or
+    why (`fallback`, None where it runs) the dQ and dK/dV kernels run instead."""
+    if fallback is None:
+        return f"backward: one fused kernel ({how})"
+    return f"backward: the dQ and dK/dV kernels, not the fused one asked for: {fallback}"
+
+
 class Implementation(Protocol):
     """What a backend module exposes as `IMPLEMENTATION`. It may also define `config_note(problem, config) -> str`:
     what running `config` on `problem` does that the config does not say (e.g. an asked-for fused backward that

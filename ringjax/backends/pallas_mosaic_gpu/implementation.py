@@ -7,7 +7,7 @@ import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, supports_fused_bwd
-from ringjax.core.problem import Problem
+from ringjax.core.problem import Problem, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
 from ringjax.core.schedule import ring_plan
 from ringjax.core.tiles import block_stride
@@ -291,8 +291,7 @@ class PallasMosaicGpuImplementation:
         if _fused_ring_backward(problem, config):
             return "bwd_fused: the fused ring's backward runs its own dQ and dK/dV kernels"
         why = config.split_bwd_reason(problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize)
-        return ("backward: one fused kernel (dQ added by TMA reduce-add)" if why is None
-                else f"backward: the dQ and dK/dV kernels, not the fused one asked for: {why}")
+        return fused_backward_note("dQ added by TMA reduce-add", why)
 
     def run(self, problem: Problem, config: MosaicGpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         why = _refusal(problem, config)

@@ -10,7 +10,7 @@ from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
 from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd, fuses_backward
 from ringjax.core.precision import DEFAULT
-from ringjax.core.problem import Problem, check_interpret
+from ringjax.core.problem import Problem, check_interpret, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 
 
@@ -91,10 +91,8 @@ class PallasTritonImplementation:
         does not ask."""
         if not config.bwd_fused:
             return ""
-        if fuses_backward(problem.opts, config):
-            return "backward: one fused kernel (dQ added by float32 atomics)"
-        return ("backward: the dQ and dK/dV kernels, not the fused one asked for: deterministic=True (atomics sum "
-                "dQ in no fixed order)")
+        return fused_backward_note("dQ added by float32 atomics", None if fuses_backward(problem.opts, config)
+                                   else "deterministic=True (atomics sum dQ in no fixed order)")
 
     def run(self, problem: Problem, config: GpuConfig, q, k, v, q_seg, kv_seg, sinks, extras):
         check_interpret(self.name, self.interpret, config)
