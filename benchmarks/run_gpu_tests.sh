@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 args=(-q -p no:cacheprovider -rsfE --tb=short --durations=15 --junitxml="$OUT/junit.xml")
 if [ -n "${WORKERS:-}" ]; then
   export XLA_PYTHON_CLIENT_PREALLOCATE=false
-  args+=(-n "$WORKERS")
+  args+=(-n "$WORKERS" --dist loadgroup)  # loadgroup: the CPU bench suites run once, in one worker
 fi
 # SIGINT at the time limit: pytest stops and still prints its summary of failures; the log names every test
 # as it ends (-v), so a run cut short still says what failed (the console shows only failures and the summary)

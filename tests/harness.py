@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,15 @@ def _hopper() -> bool:
 
 
 ON_HOPPER = _hopper()
+
+
+def child_env(devices: int | None = 8, **extra: str) -> dict[str, str]:
+    """The environment for a child process running jax on the CPU: this run's XLA flags (conftest's among
+    them) with `devices` simulated devices in place of its count (None: no count, the child sets its own)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu", **extra)
 
 # norm-wise relative error ||got - ref|| / ||ref|| allowed per input dtype; "tf32": float32 on a GPU at jax's
 # default matmul precision (inputs rounded to 10 mantissa bits, as float16's)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from harness import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks" / "bench.py"
@@ -40,8 +41,7 @@ def bench():
 def results(tmp_path_factory):
     """Every suite run once with --tiny on 4 simulated CPU devices, side by side: (out dir, {suite: (rc, log)})."""
     out = tmp_path_factory.mktemp("bench")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}", RINGJAX_CACHE_DIR=str(out / "cache"))
+    env = child_env(DEVICES, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", RINGJAX_CACHE_DIR=str(out / "cache"))
     procs = {}
     for suite in SUITES:
         log = (out / f"{suite}.log").open("w")
@@ -57,8 +57,7 @@ def results(tmp_path_factory):
 
 def run_bench(tmp_path: Path, *args: str, devices: int = 1) -> subprocess.CompletedProcess:
     """bench.py `args` with --out tmp_path in a child on `devices` simulated CPU devices (its own config cache)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
+    env = child_env(devices, PYTHONPATH=str(ROOT), RINGJAX_CACHE_DIR=str(tmp_path / "cache"))
     return subprocess.run([sys.executable, str(BENCH), *args, "--out", str(tmp_path)], capture_output=True, text=True,
                           timeout=300, env=env)
 
@@ -182,6 +181,7 @@ CHECKS = {"step": check_step, "ring": check_ring, "strategies": check_strategies
           "precision": check_precision, "million": check_million, "decode": check_decode, "prefill": check_prefill}
 
 
+@pytest.mark.xdist_group("bench_suites")  # one worker runs the suites (the `results` fixture) once
 @pytest.mark.parametrize("suite", SUITES)
 def test_suite_runs_on_cpu(results, suite):
     out, runs = results

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import ON_HOPPER, check_against_reference, reference_for
+from harness import ON_HOPPER, check_against_reference, child_env, reference_for
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
@@ -71,11 +71,7 @@ def _check(out, devices: int, dtype: str):
 
 def test_two_processes_four_devices_each(tmp_path):
     out = tmp_path / "multihost.npz"
-    env = dict(os.environ)
-    # each process gets 4 devices from --cpu-devices; drop the 8 that conftest asks for
-    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                                if "xla_force_host_platform_device_count" not in f)
-    env["JAX_PLATFORMS"] = "cpu"
+    env = child_env(None)  # each process gets 4 devices from --cpu-devices, not the 8 that conftest asks for
     logs = _run_two(out, env, ["--cpu-devices", "4", "--seq-len", "64"])
     for i, log in enumerate(logs):
         assert f"process {i}/2: 4 local of 8 devices" in log

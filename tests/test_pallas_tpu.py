@@ -28,7 +28,7 @@ from ringjax.core.masks import Extras
 from ringjax.dispatch import registry
 from ringjax.options import AttentionOptions
 
-from harness import check_against_reference, make_inputs, mesh_of, reference_for, run_ring
+from harness import check_against_reference, child_env, make_inputs, mesh_of, reference_for, run_ring
 
 pytest.importorskip("jax.experimental.pallas.tpu", reason="this jax has no Pallas TPU module")
 
@@ -398,9 +398,7 @@ USER_CALL = textwrap.dedent("""
 def test_a_users_call_on_8_devices_gives_a_result_or_a_refusal_never_an_abort(threads):
     """In a fresh process (the CPU client's threads are fixed when it starts): on a machine with fewer than
     16 cores the call is refused before any device work, with the remedy; with PJRT_NPROC=16 it runs."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    env.update(XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=8"]), JAX_PLATFORMS="cpu")
+    env = {k: v for k, v in child_env(8).items() if k not in ("PJRT_NPROC", "NPROC")}
     if threads is not None:
         env["PJRT_NPROC"] = threads
     child = subprocess.run([sys.executable, "-c", USER_CALL], capture_output=True, text=True, env=env, timeout=170)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harness import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,8 +16,7 @@ def test_readme_snippets_run_as_written(tmp_path):
     assert len(blocks) >= 5
     script = tmp_path / "readme.py"
     script.write_text("\n".join(blocks) + "\nprint('snippets ok')\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(8, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "snippets ok" in done.stdout
