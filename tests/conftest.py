@@ -6,9 +6,9 @@ import os
 import pytest
 
 # XLA's CPU compiler without LLVM's optimisation passes: the suite compiles thousands of tiny programs and runs
-# each once or twice, so compiling dominates. Measured 2026-11-28 on 2 cores, jax 0.12.0.1: 20 feature tests
-# took 123 s instead of 253 s. Only where no GPU or TPU plugin is installed: the flags would reach their
-# compilers too.
+# each once or twice, so compiling weighs. Measured 2026-11-28 on 2 cores, jax 0.12.0.1, beside another test
+# run: 16 feature tests took 142 s instead of 172 s. Only where no GPU or TPU plugin is installed: the flags
+# would reach their compilers too.
 FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu")
 
