@@ -138,11 +138,12 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
         np.testing.assert_array_equal(np.asarray(lse_narrow), np.asarray(lse))
         np.testing.assert_array_equal(np.asarray(narrow.astype(jnp.float32)),
                                       np.asarray(out.astype(q.dtype).astype(jnp.float32)))
-    dq = dk = dv = dslopes = None
+    got = dict(out=out, lse=lse)
     if backward:
         dq, dk, dv, dslopes = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32),
                                         jnp.asarray(ref["delta"], jnp.float32), qi, ki, extras, opts, config)
-    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dslopes=dslopes)
+        got.update(dq=dq, dk=dk, dv=dv, dslopes=dslopes)
+        assert (dslopes is None) == (not alibi)
     if final and backward:
         narrow = block_bwd(q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32),
                            qi, ki, extras, opts, config, out_dtype=q.dtype)
@@ -155,16 +156,13 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
             np.testing.assert_array_equal(np.asarray(thin.astype(q.dtype).astype(jnp.float32)),
                                           np.asarray(wide.astype(q.dtype).astype(jnp.float32)), err_msg=name)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
-    if not backward:
-        got = dict(out=out, lse=lse)
-        ref = {name: ref[name] for name in got}
-    for name in ("out", "dq", "dk", "dv")[:4 if backward else 1]:
-        assert np.isfinite(np.asarray(got[name])).all(), f"{name} is not finite"
-    assert not backward or (dslopes is None) == (not alibi)
+    for name in ("out", "dq", "dk", "dv"):
+        if name in got:
+            assert np.isfinite(np.asarray(got[name])).all(), f"{name} is not finite"
     tol = {"bfloat16": 1e-2, "float16": 2e-3}[dtype]
     for name, limit in (("out", tol), ("lse", tol), ("dq", 2 * tol), ("dk", 2 * tol), ("dv", 2 * tol),
                         ("dslopes", 2 * tol)):
-        if name in ref:
+        if name in ref and name in got:
             err = rel_err(got[name], ref[name])
             assert err < limit, f"{name}: relative error {err:.2e} exceeds {limit:.0e}"
 
