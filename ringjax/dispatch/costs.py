@@ -549,6 +549,26 @@ def _fit_rate(points: list[tuple[int, float, float, float]], overhead: float, ro
     return float(np.sum((f / t) ** 2) / np.sum(f * work / t ** 2))
 
 
+# lengths, relative to each fitted one, at which a forward must be priced below its forward+backward
+_BELOW_SCALES = (1 / 64, 1 / 16, 1 / 4, 1.0, 4.0, 32.0)
+
+
+def _forward_below(fitted: Mapping[str, list], overhead: Mapping[str, float], per_row: Mapping[str, float],
+                   tflops: Mapping[str, float]) -> bool:
+    """Whether the forward line prices every fitted call, and each at 1/64 to 32 x its length (FLOPs by the
+    square, rows by the length), below the forward+backward line. Asked term by term instead, the H200's Mosaic
+    forward (2026-11-28) lost its per-row term to a forward+backward line that has none (0.48 ms fixed):
+    32K forwards then read 10-28% high and 1K-4K ones 15-23% low."""
+    for _, flops, rows, _ in fitted["fwd"]:
+        for x in _BELOW_SCALES:
+            f, r = flops * x * x, rows * x
+            fwd = overhead["fwd"] + per_row["fwd"] * r + f / (tflops["fwd"] * 1e12)
+            both = overhead["fwd_bwd"] + per_row["fwd_bwd"] * r + f * BACKWARD_FACTOR / (tflops["fwd_bwd"] * 1e12)
+            if fwd >= both:
+                return False
+    return True
+
+
 def _row_units(row: Mapping[str, Any]) -> float:
     return row_units(problem_of(row))
 
@@ -582,10 +602,10 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
             overhead[mode], rate, per_row[mode] = _fit_kernel_line(points)
             tflops[mode] = rate / 1e12
             fitted[mode] = points
-        if overhead["fwd"] > overhead["fwd_bwd"] or per_row["fwd"] > per_row["fwd_bwd"]:
-            # a forward+backward runs the forward, so its fixed costs are at least the forward's; lines fitted
-            # to two lengths can say otherwise (XLA on one H100: 3.0 ms forward, 1.2 forward+backward, which
-            # priced small calls' forwards above their forward+backward): the forward's take the backward's
+        if not _forward_below(fitted, overhead, per_row, tflops):
+            # a forward+backward runs the forward; lines fitted to two lengths can say otherwise (XLA on one H100:
+            # 3.0 ms forward, 1.2 forward+backward, which priced small calls' forwards above their
+            # forward+backward): the forward's fixed costs take the backward's
             overhead["fwd"], per_row["fwd"] = min(overhead["fwd"], overhead["fwd_bwd"]), min(per_row["fwd"],
                                                                                                 per_row["fwd_bwd"])
             tflops["fwd"] = _fit_rate(fitted["fwd"], overhead["fwd"], per_row["fwd"]) / 1e12
