@@ -375,7 +375,7 @@ def test_fused_backward_where_it_fits(kw, head_dim, v_head_dim, config, fused):
     (dict(causal=True), {}, SMALL, None),  # not asked for: nothing to say
     (dict(causal=True), {}, FUSED, "backward: one fused kernel (dQ added by TMA reduce-add)"),
     (dict(causal=True), {}, dataclasses.replace(FUSED, dkv_num_stages=3),
-     "not the fused one asked for: its dS^T tiles do not fit beside dkv_num_stages=3 stages (231,936 bytes"),
+     "not the fused one asked for: its dS^T tiles do not fit beside dkv_num_stages=3 stages (232,448 bytes"),
     (dict(causal=True, deterministic=True), {}, FUSED, "not the fused one asked for: deterministic=True"),
     (dict(causal=True, has_alibi=True), {}, FUSED, "not the fused one asked for: ALiBi"),
     (dict(causal=True), dict(head_dim=256), FUSED, "not the fused one asked for: head_dim 256 / v_head_dim 256"),
@@ -872,6 +872,49 @@ def test_candidates_fit_shared_memory():
         cands = IMPLEMENTATION.candidate_configs(problem)
         assert IMPLEMENTATION.default_config(problem) in cands
         assert all(max(cfg.smem_bytes(d).values()) <= SMEM_LIMIT for cfg in cands)
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+@pytest.mark.parametrize("d, dv, kw, kernel, segments, fits", [
+    # the compiler counts 232,536 bytes (229,888 were counted before the reduction scratch and the alignment)
+    (192, 128, dict(block_kv=128, num_stages=2), "forward", False, False),
+    (192, 128, dict(block_kv=64, num_stages=4), "forward", False, False),
+    (192, 192, dict(block_kv=64, num_stages=3), "forward", True, True),
+    (128, 128, dict(dq_block_kv=128, dq_num_stages=2), "dq", False, True),  # counted at the limit, less the margin
+    (128, 128, dict(dq_block_kv=128, dq_num_stages=2), "dq", True, False),  # the compiler: 233,616
+])
+def test_shared_memory_count_matches_the_compiler(d, dv, kw, kernel, segments, fits):
+    """A config `supports()` admits compiles, one it refuses would not: lowered for CUDA, where Mosaic GPU
+    checks its shared memory against the 232,448 bytes a Hopper block may use. Before the count had the
+    reduction scratch and the 1 KiB alignment, the first case was admitted and the compiler's error reached
+    the user."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL, _jax_refusal, _refusal
+    from ringjax.core.ring import ring_attention_shard
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    cfg = MosaicGpuConfig(**{"block_kv": 64, "num_stages": 2, "dkv_num_stages": 2, **kw})
+    opts = AttentionOptions(softmax_scale=0.1, causal=True, has_segments=segments)
+    why = _refusal(_problem(head_dim=d, v_head_dim=dv, opts=opts), cfg) or ""  # on CPU: at last, no GPU
+    assert ("shared memory" not in why) == fits, why
+    assert fits or f"in its {kernel} kernel" in why
+
+    def attn(q, k, v, seg):
+        seg = seg if segments else None
+        return ring_attention_shard(opts, KERNEL, cfg, q, k, v, seg, seg, None)[0]
+
+    def grads(q, k, v, seg):
+        return jax.grad(lambda *x: attn(*x, seg).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 512, 4, d), jnp.bfloat16), s((1, 512, 2, d), jnp.bfloat16), s((1, 512, 2, dv), jnp.bfloat16),
+            s((1, 512), jnp.int32))
+    lower = jax.jit(attn if kernel == "forward" else grads).trace(*args).lower
+    if fits:
+        lower(lowering_platforms=("cuda",))
+    else:
+        with pytest.raises(Exception, match="exceeds available shared memory"):
+            lower(lowering_platforms=("cuda",))
 
 
 def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:

@@ -9,6 +9,15 @@ from ringjax.core.problem import KernelConfig, int_in, one_of
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
 _BLOCKS = (64, 128, 256)
+# what Pallas reserves beside a kernel's scratch wherever it reduces (its `CompilerParams.reduction_scratch_bytes`,
+# 2 KiB in jax 0.10.2 to 0.12): left out, a 192 / 128 forward with 128-key blocks was counted 229,888 bytes and
+# refused by the compiler at 232,536, over the 232,448 a block may use
+REDUCTION_SCRATCH = 128 * 4 * 4
+
+
+def _aligned(nbytes: int) -> int:
+    """A shared-memory buffer's bytes with the padding to the 1 KiB boundary the next one starts on."""
+    return -(-nbytes // 1024) * 1024
 # wgmma takes any multiple of 16 up to 256; these are the sizes models use and the tests cover
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -77,19 +86,24 @@ class MosaicGpuConfig(KernelConfig):
     interpret: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
-                   v_head_dim: int | None = None) -> dict[str, int]:
-        """Shared memory each kernel allocates (bytes), by the same sums the kernels use; q and k tiles are
-        head_dim wide, v and dO tiles v_head_dim (None: head_dim)."""
+                   v_head_dim: int | None = None, alibi: bool = False) -> dict[str, int]:
+        """Shared memory each kernel allocates (bytes), by the same sums the kernels use: every buffer starts on
+        a 1 KiB boundary (`_aligned`), and a kernel that reduces (the forward; the dQ kernel with ALiBi, whose
+        slope gradient it sums) has Pallas's `REDUCTION_SCRATCH` besides; the barriers fit the 1 KiB margin
+        callers keep. q and k tiles are head_dim wide, v and dO tiles v_head_dim (None: head_dim). Checked
+        against the compiler's count by lowering for CUDA (tests/test_pallas_mosaic_gpu.py)."""
         d, dv = head_dim, head_dim if v_head_dim is None else v_head_dim
         w = (d + dv) * itemsize  # a row of a q and a dO tile, or of a K and a V tile
         # the backward's consumers share their tiles when they split the head_dims (split_head_dim)
         bwd_tiles = ROWS * w * (1 if max(d, dv) > 128 else 2)
         epilogue = 2 * epilogue_slots(max(d, dv)) * ROWS * 32 * 4  # float32 slots of 32 columns per warpgroup
-        seg = 2 * (ROWS + max(self.block_kv, self.dq_block_kv, self.dkv_block_q)) * 4 if segments else 0
-        fwd = 2 * ROWS * d * itemsize + self.num_stages * self.block_kv * w + epilogue + 2 * ROWS * 4
-        dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 4 * ROWS * 4
-        dkv = bwd_tiles + self.dkv_num_stages * (self.dkv_block_q * w + 2 * self.dkv_block_q * 4)
-        dkv += epilogue
+        rows = _aligned(2 * ROWS * 4)  # a [2, 64] float32 or int32 vector
+        seg = rows + _aligned(2 * max(self.block_kv, self.dq_block_kv, self.dkv_block_q) * 4) if segments else 0
+        fwd = 2 * ROWS * d * itemsize + self.num_stages * self.block_kv * w + epilogue + rows + REDUCTION_SCRATCH
+        dq = bwd_tiles + self.dq_num_stages * self.dq_block_kv * w + epilogue + 2 * rows
+        dq += REDUCTION_SCRATCH if alibi else 0
+        dkv = bwd_tiles + self.dkv_num_stages * self.dkv_block_q * w + 2 * _aligned(
+            self.dkv_num_stages * self.dkv_block_q * 4) + epilogue  # lse and delta per stage
         if max(d, dv) > 128:  # the consumers' P^T and dS^T over half a block each share the epilogue's memory
             dkv += max(0, 2 * ROWS * self.dkv_block_q * itemsize - epilogue)
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
@@ -124,6 +138,15 @@ class MosaicGpuConfig(KernelConfig):
 
 
 DECODE_BLOCKS = (64, 128, 256)
+# what Pallas reserves beside a kernel's scratch wherever it reduces (its `CompilerParams.reduction_scratch_bytes`,
+# 2 KiB in jax 0.10.2 to 0.12): left out, a 192 / 128 forward with 128-key blocks was counted 229,888 bytes and
+# refused by the compiler at 232,536, over the 232,448 a block may use
+REDUCTION_SCRATCH = 128 * 4 * 4
+
+
+def _aligned(nbytes: int) -> int:
+    """A shared-memory buffer's bytes with the padding to the 1 KiB boundary the next one starts on."""
+    return -(-nbytes // 1024) * 1024
 # one float32 [64, 32] epilogue slot per consumer: written once per CTA, its 8 KiB go to a third K/V stage
 DECODE_EPILOGUE_SLOTS = 1
 

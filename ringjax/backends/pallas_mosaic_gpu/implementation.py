@@ -130,7 +130,7 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     if max(d, dv) > 128 and (d % _SPLIT_MULTIPLE or dv % _SPLIT_MULTIPLE):
         return (f"head_dim {d} with v head_dim {dv}: above 128 the backward splits both in halves, which must be "
                 f"multiples of 32 (head_dims multiples of {_SPLIT_MULTIPLE})")
-    for kernel, size in config.smem_bytes(d, problem.itemsize, opts.has_segments, dv).items():
+    for kernel, size in config.smem_bytes(d, problem.itemsize, opts.has_segments, dv, opts.has_alibi).items():
         if size > SMEM_LIMIT - 1024:
             return (f"config {config} needs {size} bytes of shared memory in its {kernel} kernel, over the "
                     f"{SMEM_LIMIT} a Hopper block may use")
@@ -278,7 +278,7 @@ class PallasMosaicGpuImplementation:
                     cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
                                           dkv_num_stages=dkv_stages, pair_heads=pair_heads, fused=fused)
                     sizes = cfg.smem_bytes(problem.head_dim, problem.itemsize, problem.opts.has_segments,
-                                           problem.v_head_dim).values()
+                                           problem.v_head_dim, problem.opts.has_alibi).values()
                     if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
                         out.append(cfg)
         return out
