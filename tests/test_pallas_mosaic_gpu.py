@@ -874,6 +874,24 @@ def test_candidates_fit_shared_memory():
         assert all(max(cfg.smem_bytes(d).values()) <= SMEM_LIMIT for cfg in cands)
 
 
+@pytest.mark.parametrize("head_dim, kw, block_kv, persistent", [
+    (64, dict(causal=True), 128, True),
+    (64, {}, 256, True),  # every block visited: 256 keys, 1.00-1.01x cuDNN forward (1 H200, 2026-11-29)
+    (64, dict(has_segments=True), 128, True),  # blocks between documents are skipped: narrower ones skip more
+    (64, dict(window=(512, 512)), 128, True),
+    (128, {}, 128, True),
+    (256, dict(causal=True), 64, True),
+    (256, {}, 64, False),  # a CTA per row tile: 8K 4% faster forward
+    ((192, 128), dict(chunk_size=1024), 64, True),
+])
+def test_heuristic_config_follows_the_mask(head_dim, kw, block_kv, persistent):
+    d, dv = head_dim if isinstance(head_dim, tuple) else (head_dim, head_dim)
+    problem = _problem(head_dim=d, v_head_dim=dv, opts=AttentionOptions(**kw))
+    config = IMPLEMENTATION.default_config(problem)
+    assert (config.block_kv, config.persistent) == (block_kv, persistent)
+    assert config == IMPLEMENTATION.candidate_configs(problem)[0]  # tuning starts from it
+
+
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
 @pytest.mark.parametrize("d, dv, kw, kernel, segments, fits", [
     # the compiler counts 232,536 bytes (229,888 were counted before the reduction scratch and the alignment)

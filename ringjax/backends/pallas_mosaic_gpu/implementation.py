@@ -240,13 +240,25 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
     widest = max(problem.head_dims)
     if widest <= 64:
         # the fused backward (dQ by TMA reduce-add; the op's deterministic=True runs it split): fwd+bwd 5-6%
-        # faster than the two kernels at 32K, 2% at 8K (1 H100, causal, 32/8 heads: checks/..._head_dim_64_ab)
-        config = MosaicGpuConfig(block_kv=128, num_stages=3, dq_block_kv=128, dkv_num_stages=2, bwd_fused=True)
+        # faster than the two kernels at 32K, 2% at 8K (1 H100, causal, 32/8 heads: checks/..._head_dim_64_ab).
+        # Forward, against cuDNN (1 H200, jax 0.11.2, 2026-11-29, checks/..._forward_head_dims): 3 stages of 128
+        # keys 0.92-1.04, 2 stages 0.96-1.03; 256 keys where no block is skipped 1.00-1.01 (8K causal: 0.995)
+        keys = 256 if _all_visible(problem.opts) else 128
+        config = MosaicGpuConfig(block_kv=keys, num_stages=2, dq_block_kv=128, dkv_num_stages=2, bwd_fused=True)
     elif widest > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
-        config = MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2)
+        # a CTA per row tile where every block is visited: 8K not causal 2.5-4% faster forward, the rest within
+        # 1% (1 H200, 2026-11-29, checks/..._forward_head_dims)
+        config = MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2,
+                                 persistent=not _all_visible(problem.opts))
     else:
         config = MosaicGpuConfig()
     return dataclasses.replace(config, fused=True) if fuses_ring(problem) else config
+
+
+def _all_visible(opts) -> bool:
+    """Whether every query sees every key (no causal, window, chunk or segment mask): no block is skipped,
+    so wider key blocks waste nothing."""
+    return not (opts.causal or opts.window is not None or opts.chunk_size is not None or opts.has_segments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +282,9 @@ class PallasMosaicGpuImplementation:
 
     def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
         # measured on one H200 (docs/performance.md): 128-key forward blocks with 2 stages lead (64 with 4
-        # stages lost 10-15%); the rest differ by a few percent, so the tuner decides
-        out, fused = [], fuses_ring(problem)  # tuned on a ring: the same ring kernels as the heuristic's
+        # stages lost 10-15%); the rest differ by a few percent, so the tuner decides. The heuristic's config
+        # comes first, so that tuning never keeps a slower one
+        out, fused = [default_config(problem)], fuses_ring(problem)  # on a ring: the heuristic's ring kernels
         for pair_heads in (True, False):
             for block_kv, stages in ((128, 2), (64, 3), (64, 2)):
                 for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
@@ -279,7 +292,8 @@ class PallasMosaicGpuImplementation:
                                           dkv_num_stages=dkv_stages, pair_heads=pair_heads, fused=fused)
                     sizes = cfg.smem_bytes(problem.head_dim, problem.itemsize, problem.opts.has_segments,
                                            problem.v_head_dim, problem.opts.has_alibi).values()
-                    if max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0):
+                    if (max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0)
+                            and cfg not in out):
                         out.append(cfg)
         return out
 
