@@ -289,6 +289,42 @@ def test_kernel_lowers_to_mosaic_gpu_for_cuda(t, h, kvh, d, dv, config, kw):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernel really runs")
+@pytest.mark.parametrize("t, d, dv, block_k, stages, fits", [
+    (8, 128, 128, 128, 3, True),  # 64 rows, 4 KiB under the count's limit
+    (32, 192, 128, 128, 2, False),  # 128 rows: the compiler needs 234,576 bytes (counted 231,424 before)
+    (32, 192, 128, 64, 4, False),  # the compiler: 234,640
+    (32, 192, 128, 64, 3, True),  # what the heuristic now picks there
+])
+def test_shared_memory_count_matches_the_compiler(monkeypatch, t, d, dv, block_k, stages, fits):
+    """The config check admits what compiles and refuses what would not: with the check bypassed, a config it
+    refuses is refused by Mosaic GPU's own count, lowered for CUDA. 192 / 128 (multi-head latent attention) at
+    128 rows was admitted by the heuristic at the count's limit and failed to compile."""
+    import ringjax.backends.pallas_mosaic_gpu.decode as decode
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    config = DecodeConfig(block_k=block_k, num_splits=2, num_stages=stages)
+    s = jax.ShapeDtypeStruct
+    args = (s((2, t, 32, d), jnp.bfloat16), s((2, 8192, 8, d), jnp.bfloat16), s((2, 8192, 8, dv), jnp.bfloat16),
+            s((2, t), jnp.int32), s((8192,), jnp.int32), s((2,), jnp.int32))
+    why = decode._config_refusal(config, args[0].shape, args[1].shape, args[2].shape, 2)
+    assert (why is None) == fits, why
+    assert fits or "bytes of shared memory" in why
+    chosen = default_config(args[0].shape, args[1].shape, args[2].shape)
+    assert decode._config_refusal(chosen, args[0].shape, args[1].shape, args[2].shape, 2) is None
+    if d == 192:
+        assert (chosen.block_k, chosen.num_stages) == (64, 3)  # the last case: it compiles
+    monkeypatch.setattr(decode, "_config_refusal", lambda *a: None)
+    lower = jax.jit(lambda *a: partials(*a, AttentionOptions(softmax_scale=0.1, causal=True), config)).trace(
+        *args).lower
+    if fits:
+        lower(lowering_platforms=("cuda",))
+    else:
+        with pytest.raises(Exception, match="exceeds available shared memory"):
+            lower(lowering_platforms=("cuda",))
+
+
 # --------------------------------------------------------------------------- compiled, bigger (sm90 only)
 
 

@@ -162,9 +162,12 @@ class DecodeConfig(KernelConfig):
     num_stages: int = int_in(2, 8, default=3)
 
     def smem_bytes(self, rows: int, head_dim: int, head_dim_v: int, itemsize: int = 2) -> int:
-        """Shared memory of one CTA (bytes): q tiles, K/V (and key position) slots, the float32 epilogue and lse."""
+        """Shared memory of one CTA (bytes): q tiles, K/V and key position slots, the row positions, the float32
+        epilogue and lse, each buffer 1 KiB-aligned, and Pallas's reduction scratch (as `MosaicGpuConfig.
+        smem_bytes`; without the last two, 192 / 128 at 128 rows was counted at the limit and needed 234,576)."""
         tiles = rows // ROWS
         q = rows * head_dim * itemsize
-        stream = self.num_stages * self.block_k * ((head_dim + head_dim_v) * itemsize + 4)
+        stream = self.num_stages * self.block_k * (head_dim + head_dim_v) * itemsize
+        positions = _aligned(self.num_stages * self.block_k * 4)
         epilogue = tiles * DECODE_EPILOGUE_SLOTS * ROWS * 32 * 4
-        return q + stream + epilogue + 2 * rows * 4
+        return q + stream + positions + epilogue + 2 * _aligned(rows * 4) + REDUCTION_SCRATCH
