@@ -9,6 +9,8 @@ from ringjax.core.problem import KernelConfig, int_in, one_of
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
 _BLOCKS = (64, 128, 256)
+# wgmma takes any multiple of 16 up to 256; these are the sizes models use and the tests cover
+HEAD_DIMS = (64, 96, 128, 192, 256)
 # what Pallas reserves beside a kernel's scratch wherever it reduces (its `CompilerParams.reduction_scratch_bytes`,
 # 2 KiB in jax 0.10.2 to 0.12): left out, a 192 / 128 forward with 128-key blocks was counted 229,888 bytes and
 # refused by the compiler at 232,536, over the 232,448 a block may use
@@ -18,8 +20,6 @@ REDUCTION_SCRATCH = 128 * 4 * 4
 def _aligned(nbytes: int) -> int:
     """A shared-memory buffer's bytes with the padding to the 1 KiB boundary the next one starts on."""
     return -(-nbytes // 1024) * 1024
-# wgmma takes any multiple of 16 up to 256; these are the sizes models use and the tests cover
-HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 def epilogue_slots(head_dim: int) -> int:
@@ -138,15 +138,6 @@ class MosaicGpuConfig(KernelConfig):
 
 
 DECODE_BLOCKS = (64, 128, 256)
-# what Pallas reserves beside a kernel's scratch wherever it reduces (its `CompilerParams.reduction_scratch_bytes`,
-# 2 KiB in jax 0.10.2 to 0.12): left out, a 192 / 128 forward with 128-key blocks was counted 229,888 bytes and
-# refused by the compiler at 232,536, over the 232,448 a block may use
-REDUCTION_SCRATCH = 128 * 4 * 4
-
-
-def _aligned(nbytes: int) -> int:
-    """A shared-memory buffer's bytes with the padding to the 1 KiB boundary the next one starts on."""
-    return -(-nbytes // 1024) * 1024
 # one float32 [64, 32] epilogue slot per consumer: written once per CTA, its 8 KiB go to a third K/V stage
 DECODE_EPILOGUE_SLOTS = 1
 
