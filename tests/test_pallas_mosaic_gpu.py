@@ -353,6 +353,17 @@ def test_step_fused_backward(layout, n, shard, src, local, dtype, kw, head_dim):
                 config=FUSED, **kw)
 
 
+@needs_kernels
+@pytest.mark.parametrize("kw", [{}, dict(dropout_rate=0.1, logits_soft_cap=3.0)])
+def test_step_with_the_heuristic_256_key_blocks(kw):
+    """The heuristic's head_dim-64 config where every block is visible: 256-key forward blocks in two stages
+    (two blocks per step, so the pipeline wraps) and the fused backward."""
+    config = IMPLEMENTATION.default_config(_problem(head_dim=64, opts=AttentionOptions()))
+    assert (config.block_kv, config.num_stages, config.bwd_fused) == (256, 2, True)
+    _check_step("contiguous", 1, 0, 0, 512, "bfloat16", 64, 4, 2,
+                config=dataclasses.replace(config, interpret=not ON_HOPPER), **kw)
+
+
 @pytest.mark.parametrize("kw, head_dim, v_head_dim, config, fused", [
     (dict(causal=True), 128, 128, FUSED, True),
     (dict(dropout_rate=0.1, logits_soft_cap=3.0, window=(9, 0)), 64, 64, FUSED, True),
