@@ -257,6 +257,8 @@ def test_tune_settings_validated():
         autotuning.TuneSettings(repeats=0)
     with pytest.raises(TypeError, match="backward must be a bool"):
         autotuning.TuneSettings(backward=1)
+    with pytest.raises(ValueError, match="back_to_back must be an int >= 1"):
+        autotuning.TuneSettings(back_to_back=0)
     with pytest.raises(TypeError, match="TuneSettings"):
         ringjax.autotune(lambda: None, autotune_settings={"repeats": 3})
     for empty in (0, {}):  # falsy, not None: not quietly the defaults
@@ -277,3 +279,15 @@ def test_cli_tune(candidates, capsys):
     assert 'best: {"block_kv": 8, "block_q": 8}' in out
     tuned = dataclasses.replace(_problem(causal=True, axis_name="sp", axis_size=2), platform=jax.default_backend())
     assert cache.lookup("ring_attention", "xla", tuned.resolved())
+
+
+def test_measure_times_calls_back_to_back():
+    """`back_to_back` calls per timed run, one wait for them all, the time per call kept."""
+    calls = []
+
+    def compiled(x):
+        calls.append(x)
+        return jnp.sin(jnp.asarray(x))
+
+    seconds = autotuning.measure(compiled, (1.0,), autotuning.TuneSettings(warmup=2, repeats=3, back_to_back=4))
+    assert len(calls) == 2 + 3 * 4 and seconds > 0
