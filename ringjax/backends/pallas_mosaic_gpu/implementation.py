@@ -7,6 +7,7 @@ import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, supports_fused_bwd
+from ringjax.core.masks import may_skip
 from ringjax.core.problem import Problem, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
 from ringjax.core.schedule import ring_plan
@@ -243,22 +244,16 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
         # faster than the two kernels at 32K, 2% at 8K (1 H100, causal, 32/8 heads: checks/..._head_dim_64_ab).
         # Forward, against cuDNN (1 H200, jax 0.11.2, 2026-11-29, checks/..._forward_head_dims): 3 stages of 128
         # keys 0.92-1.04, 2 stages 0.96-1.03; 256 keys where no block is skipped 1.00-1.01 (8K causal: 0.995)
-        keys = 256 if _all_visible(problem.opts) else 128
+        keys = 128 if may_skip(problem.opts) else 256
         config = MosaicGpuConfig(block_kv=keys, num_stages=2, dq_block_kv=128, dkv_num_stages=2, bwd_fused=True)
     elif widest > 128:  # 64-row streamed blocks, two stages: what fits 227 KiB of shared memory
         # a CTA per row tile where every block is visited: 8K not causal 2.5-4% faster forward, the rest within
         # 1% (1 H200, 2026-11-29, checks/..._forward_head_dims)
         config = MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2,
-                                 persistent=not _all_visible(problem.opts))
+                                 persistent=may_skip(problem.opts))
     else:
         config = MosaicGpuConfig()
     return dataclasses.replace(config, fused=True) if fuses_ring(problem) else config
-
-
-def _all_visible(opts) -> bool:
-    """Whether every query sees every key (no causal, window, chunk or segment mask): no block is skipped,
-    so wider key blocks waste nothing."""
-    return not (opts.causal or opts.window is not None or opts.chunk_size is not None or opts.has_segments)
 
 
 @dataclasses.dataclass(frozen=True)
