@@ -748,3 +748,18 @@ def test_predictions_within_the_tie_tolerance_go_by_priority(monkeypatch):
     ring, launches = mosaic.IMPLEMENTATION.priced_as(problem)
     assert launches == 1 and not ring.opts.gather_kv and ring.seq == problem.seq
     assert mosaic.IMPLEMENTATION.priced_as(ring) == (ring, None)
+
+
+def test_rows_of_both_timings_are_named_in_the_prediction():
+    """A row says how many calls each timed sample dispatched back to back (absent: each call synced). Rates fitted
+    to rows of both timings carry the host's wait in some rows only, and their predictions say so: on the H200,
+    Triton's 1K-4K rows are back to back, its 8K-32K rows (docs/performance.md) synced."""
+    triton = costs.predict(costs.load(H200), "pallas_triton", _problem(kind=H200))
+    assert "rows timed synced and back to back mixed (1 / 5 calls per sample)" in triton.note
+    assert "mixed" not in costs.predict(costs.load(H200), "pallas_mosaic_gpu", _problem(kind=H200)).note
+    path = "benchmarks/results/checks/nvidia-h200_2026-11-29_coverage_candidates_8k.jsonl"
+    rows = [calibrate.kernel_row(result, path) for result in map(json.loads, open(path))]
+    rows = [row for row in rows if row["implementation"] == "pallas_mosaic_gpu"]
+    assert len(rows) == 14 and {row["back_to_back"] for row in rows} == {5}
+    synced = [{k: v for k, v in row.items() if k != "back_to_back"} for row in rows]
+    assert "mixed" in costs.fit_rates(rows[:8] + synced[8:]).note and "mixed" not in costs.fit_rates(rows).note

@@ -63,6 +63,8 @@ def kernel_row(result: Mapping[str, Any], source: str) -> dict[str, Any] | None:
     row = {"implementation": result["implementation"], **{k: case[k] for k in _SHAPE}, "seq": case["T"],
            "features": features, "fwd_ms": result["fwd_ms"], "fwd_bwd_ms": result.get("fwd_bwd_ms"),
            "source": source, "measured": result.get("time", "")}
+    if (result.get("options", {}).get("back_to_back") or 1) > 1:  # calls per timed sample; absent: each synced
+        row["back_to_back"] = result["options"]["back_to_back"]
     if case["dtype"] == "float32":
         row["precision"] = case.get("precision", "default")
     return row
@@ -179,7 +181,8 @@ def measure_kernel(implementation: str, *, seq: int, batch: int, heads: int, kv_
     row = {"implementation": implementation, "batch": batch, "seq": seq, "heads": heads, "kv_heads": kv_heads,
            "head_dim": head_dim, "dtype": dtype, "features": dict(features), "fwd_ms": fwd_s * 1e3,
            "fwd_bwd_ms": fwd_bwd_s * 1e3, "source": f"python -m ringjax calibrate (jax {jax.__version__})",
-           "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+           "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "back_to_back": BACK_TO_BACK}
     if dtype == "float32":
         row["precision"] = precision
     return row

@@ -24,8 +24,10 @@ module fits rates to them and predicts:
   (`Problem.documents`: concrete segment ids when the call was traced, `explain --documents`, calibration
   rows' equal documents), their measured factors on top; traced ids are priced as if no block were skipped.
 
-`python -m ringjax calibrate` measures and writes a file; `calibrate.from_results` builds one from
-`benchmarks/results/*.jsonl`.
+Rows say how they were timed: `back_to_back` calls per sample, as a training step dispatches them (absent: each
+call synced with the host, whose wait then sits in the row's time); a prediction from rows of both notes it.
+`python -m ringjax calibrate` measures (5 calls back to back) and writes a file; `calibrate.from_results` builds
+one from `benchmarks/results/*.jsonl`.
 """
 
 from __future__ import annotations
@@ -458,7 +460,7 @@ def predict(calibration: Calibration | None, implementation: str, problem: Probl
     paid = n if launches is None else launches
     fwd = rates.seconds("fwd", flops, paid, dim, feats, causal, rows)
     fwd_bwd = rates.seconds("fwd_bwd", flops_bwd, paid, dim, feats, causal, rows)
-    notes = []
+    notes = [rates.note] if rates.note else []
     if rates.lent(dim, feats):
         notes.append("priced by other implementations' factors: " + ", ".join(rates.lent(dim, feats)))
     if rates.unmeasured(feats):
@@ -587,6 +589,12 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
     note = "" if fewest == 0 else "no plain measurement: fitted to rows with features, priced as plain"
     if ref_dim != REFERENCE_HEAD_DIM:
         note = "; ".join(filter(None, [note, f"measured at head_dim {ref_dim} only"]))
+    # calls per timed sample (1: each synced with the host, which adds its wait to every call; rows written before
+    # the field existed were synced); rates fitted to both mix the host's wait into some rows' kernel time
+    timings = sorted({row.get("back_to_back", 1) for row in rows})
+    if len(timings) > 1:
+        note = "; ".join(filter(None, [note, "rows timed synced and back to back mixed ("
+                                       + " / ".join(map(str, timings)) + " calls per sample)"]))
     lines = {}
     for causal in (True, False):
         base = [(row, flops) for row, flops, f, d, c in measured if len(f) == fewest and d == ref_dim and c == causal]
