@@ -306,5 +306,11 @@ def test_back_to_back_dispatches_calls_without_a_sync_between(bench, monkeypatch
     monkeypatch.setattr(bench.jax, "block_until_ready", wait)
     bench.timeit(lambda x: calls.append(x) or x + 1, bench.jax.numpy.ones(3), reps=2, warmup=1, back_to_back=5)
     assert len(calls) == 1 + 2 * 5 and waits == [1, 6, 11]  # one warm-up, then a wait after every 5
-    args = bench.parser().parse_args(["ring", "--back-to-back", "20"])
-    assert args.back_to_back == 20 and bench.parser().parse_args(["ring"]).back_to_back == 1
+    args = bench.resolve(bench.parser().parse_args(["ring", "--back-to-back", "20", "--tiny"]))
+    assert args.back_to_back == 20  # asked for, also with --tiny
+    # by default 5 calls per sample (synced, the host's wait read as kernel time); one for the million-token call
+    # and for --tiny's CPU smoke runs
+    resolved = {(suite, tiny): bench.resolve(bench.parser().parse_args([suite, *tiny])).back_to_back
+                for suite in ("step", "coverage", "million") for tiny in ((), ("--tiny",))}
+    assert resolved == {("step", ()): 5, ("coverage", ()): 5, ("million", ()): 1, ("step", ("--tiny",)): 1,
+                        ("coverage", ("--tiny",)): 1, ("million", ("--tiny",)): 1}
