@@ -1040,3 +1040,27 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 1
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_lowers_for_cuda(causal):
+    """ALiBi's forward and backward lower for CUDA: causal, the forward adds a bias per key column and puts the
+    per-row part back in the lse (`_Mods.column_bias`); not causal, a distance per score."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL, _jax_refusal
+    from ringjax.core.masks import Extras
+    from ringjax.core.ring import ring_attention_shard
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    opts = AttentionOptions(softmax_scale=0.1, causal=causal, has_alibi=True)
+    extras = Extras(alibi_slopes=jnp.linspace(0.01, 0.5, 4, dtype=jnp.float32))
+    compiled = dataclasses.replace(SMALL, interpret=False)
+
+    def loss(q, k, v):
+        return ring_attention_shard(opts, KERNEL, compiled, q, k, v, None, None, None, extras)[0].astype(
+            jnp.float32).sum()
+
+    s = jax.ShapeDtypeStruct
+    args = (s((1, 256, 4, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV

@@ -28,11 +28,22 @@ def logits(qk: jnp.ndarray, opts: AttentionOptions) -> jnp.ndarray:
 def logits2(qk, opts: AttentionOptions):
     """Base-2 logits (logits * log2 e, so exp2 replaces exp) of raw dot products, and tanh of the
     soft cap (None without one). Without a soft cap log2 e folds into the scale: one multiply."""
+    x = folded_scores(qk, opts)
+    return x * logit_factor(opts), (None if opts.logits_soft_cap is None else x)
+
+
+def folded_scores(qk, opts: AttentionOptions):
+    """Scores x whose base-2 logits are x * `logit_factor`: the raw dot products, or with a soft cap
+    tanh(qk scale / cap). The factor is a positive constant, so a kernel keeps it out of the row max and
+    multiplies it in where exp2's argument is one FMA anyway."""
     if opts.logits_soft_cap is None:
-        return qk * (opts.softmax_scale * LOG2E), None
-    cap = opts.logits_soft_cap
-    t = jnp.tanh(qk * (opts.softmax_scale / cap))
-    return t * (cap * LOG2E), t
+        return qk
+    return jnp.tanh(qk * (opts.softmax_scale / opts.logits_soft_cap))
+
+
+def logit_factor(opts: AttentionOptions) -> float:
+    """log2 e times the scale, or with a soft cap times the cap: see `folded_scores`."""
+    return (opts.softmax_scale if opts.logits_soft_cap is None else opts.logits_soft_cap) * LOG2E
 
 
 def cap_slope(t):

@@ -34,7 +34,7 @@ from ringjax.backends.pallas_mosaic_gpu.config import (
 )
 from ringjax.core.features import Support
 from ringjax.core.masks import BlockRange, fully_visible, may_skip, maybe_visible, visible_pairs
-from ringjax.core.modifiers import LOG2E, logits2
+from ringjax.core.modifiers import folded_scores, logit_factor
 from ringjax.core.problem import Problem
 from ringjax.core.visits import bounds
 from ringjax.merge import finite_or_zero, log_sum
@@ -248,9 +248,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kpos_ref, rowpos_ref, table_ref, klen_re
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("split")
     wg = lax.axis_index("wg")
     start, flo, fhi, end = split_range(table_ref, b, split, splits)
-    # without a soft cap the scale stays out of the max and joins exp2 as one FMA
-    fold = opts.logits_soft_cap is None
-    scale = opts.softmax_scale * LOG2E if fold else 1.0
+    # the logits' factor (the scale, or the soft cap's) stays out of the max and joins exp2 as one FMA
+    scale = logit_factor(opts)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     @pl.when(wg < tiles)
@@ -271,8 +270,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kpos_ref, rowpos_ref, table_ref, klen_re
             s = _mma_fresh((ROWS, block_k), q_smem.at[wg], k_smem.at[slot], transpose_b=True, emulate=emulate)
             kpos = plgpu.load(kpos_smem.at[slot], layout=col_layout) if masked else None
             plgpu.barrier_arrive(k_free.at[slot])
-            if not fold:
-                s, _ = logits2(s, opts)
+            s = folded_scores(s, opts)
             if masked:
                 qp, kp = _Pos(qpos, kpos).full()
                 valid = kp < k_len

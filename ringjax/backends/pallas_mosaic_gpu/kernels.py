@@ -58,6 +58,8 @@ from ringjax.core.modifiers import (
     dropout_keep_terms,
     dropout_key,
     dropout_terms,
+    folded_scores,
+    logit_factor,
     logits2,
 )
 from ringjax.core.schedule import reach
@@ -146,10 +148,15 @@ class _Pos(NamedTuple):
 
 def _tile_positions(shape, row0, col0, walk: _Walk) -> _Pos:
     """The positions of a [rows, cols] tile's rows and columns (per-element arithmetic stays per vector)."""
-    lay = plgpu.Layout.WGMMA
-    rows = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape[:1], 0, layout=lay.reduce(1))
-    cols = col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, shape[1:], 0, layout=lay.reduce(0))
-    return _Pos(rows, cols)
+    rows = row0 + walk.row_stride * plgpu.broadcasted_iota(jnp.int32, shape[:1], 0,
+                                                           layout=plgpu.Layout.WGMMA.reduce(1))
+    return _Pos(rows, _tile_columns(shape[1], col0, walk))
+
+
+def _tile_columns(cols: int, col0, walk: _Walk):
+    """The positions of a tile's `cols` columns, in the wgmma layout of its columns."""
+    return col0 + walk.col_stride * plgpu.broadcasted_iota(jnp.int32, (cols,), 0,
+                                                           layout=plgpu.Layout.WGMMA.reduce(0))
 
 
 def _reads_positions(opts) -> bool:
@@ -157,10 +164,12 @@ def _reads_positions(opts) -> bool:
     return opts.causal or opts.window is not None or opts.chunk_size is not None or opts.num_sink_tokens > 0
 
 
-def _needs_positions(opts, kind: str) -> bool:
-    """Whether a visit of `kind` reads its tile's positions. Mosaic GPU's layout inference gives up on
-    vectors nobody reads, so a tile builds its positions only where something uses them."""
-    return (kind == "masked" and _reads_positions(opts)) or opts.has_alibi or opts.dropout_rate > 0
+def _needs_positions(opts, kind: str, alibi_by_column: bool = False) -> bool:
+    """Whether a visit of `kind` reads its tile's positions (`alibi_by_column`: ALiBi reads only the columns,
+    `_Mods.column_bias`). Mosaic GPU's layout inference gives up on vectors nobody reads, so a tile builds
+    its positions only where something uses them."""
+    alibi = opts.has_alibi and not alibi_by_column
+    return (kind == "masked" and _reads_positions(opts)) or alibi or opts.dropout_rate > 0
 
 
 def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None, col_seg=None):
@@ -196,6 +205,21 @@ class _Mods:
     def distance(self, pos: "_Pos | None"):
         """-|i - j| of the tile at positions `pos` (ALiBi's factor), or None without ALiBi."""
         return None if self.slope is None else alibi_distance_pairs(*pos.full())
+
+    def column_bias(self, cols, row0):
+        """ALiBi's base-2 bias of a causal tile, less a per-row constant: slope log2(e) (j - row0) per column.
+        Causal, every visible pair has j <= i, so -slope |i - j| = slope (j - row0) - slope (i - row0): the
+        second term is the same for a row over every key, so the softmax drops it (`row_bias` puts it back in
+        the lse), and what is left costs one add per score in place of a distance per score. Relative to
+        row0, the tile's first query, the shifted logits stay within slope * (rows - 1) * row stride of the
+        true ones."""
+        bias = (self.slope * LOG2E) * (cols - row0).astype(jnp.float32)
+        return plgpu.layout_cast(bias, plgpu.Layout.WGMMA.reduce(0))
+
+    def row_bias(self, walk: "_Walk"):
+        """slope (i - row0) of a row tile's rows (natural units): what `column_bias` left out of each row's lse."""
+        rows = walk.row_stride * plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
+        return plgpu.layout_cast(self.slope * rows.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
     def keep(self, opts, pos: _Pos, rows_are_queries: bool):
         """Dropout's keep mask of the tile (core/modifiers' hash), or None without dropout."""
@@ -236,17 +260,45 @@ def _scores2(raw, opts, dist, mods: _Mods):
     return s2, t
 
 
-def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None):
+def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None, origin=None):
     """The backward's recomputed softmax of a raw score tile (rows queries, or keys: transposed): P = exp2 of the
     base-2 logits less the rows' (or columns') base-2 lse, masked where `segments` (row ids, column ids) is
-    given; with the dropout keep mask, the soft cap's tanh and ALiBi's distances (each None where unused)."""
-    dist = mods.distance(pos)
-    s2, t = _scores2(s, opts, dist, mods)
-    p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [0 if rows_are_queries else 1]))
+    given; with the dropout keep mask, the soft cap's tanh and ALiBi's distances (each None where unused).
+
+    Causal ALiBi with `origin` (a position within the tile's rows): -|i - j| = (j - origin) - (i - origin) on
+    every visible pair, so the keys' part joins the scores and the queries' part the lse, a vector each, and
+    the distances come back as that pair of offset vectors (`_slope_grad` reads either form)."""
+    q_axis, k_axis = (0, 1) if rows_are_queries else (1, 0)
+    if origin is not None and mods.slope is not None and opts.causal:
+        qv, kv = (pos.rows, pos.cols) if rows_are_queries else (pos.cols, pos.rows)
+        dist = _Offsets(*((v - origin).astype(jnp.float32) for v in (qv, kv)))
+        s2, t = logits2(s, opts)
+        s2 = s2 + lax.broadcast_in_dim((mods.slope * LOG2E) * dist.keys, s2.shape, [k_axis])
+        lse = lse + (mods.slope * LOG2E) * dist.queries
+    else:
+        dist = mods.distance(pos)
+        s2, t = _scores2(s, opts, dist, mods)
+    p = jnp.exp2(s2 - lax.broadcast_in_dim(lse, s2.shape, [q_axis]))
     if segments is not None:
         p = jnp.where(_mask(opts, p.shape, pos, rows_are_queries, *segments), p, 0.0)
     keep = mods.keep(opts, pos, rows_are_queries) if opts.dropout_rate > 0 else None
     return p, keep, t, dist
+
+
+class _Offsets(NamedTuple):
+    """Query and key positions less a tile's origin (float32 vectors): causal ALiBi's distances, j - i, kept
+    separable (`_probs`)."""
+
+    queries: jax.Array
+    keys: jax.Array
+
+
+def _slope_grad(ds, dist):
+    """Per query row (the rows of `ds`), the sum of dS times the distance: ALiBi's slope gradient, from a
+    distance tile or from `_Offsets` (sum_j dS_ij (j - o) - (i - o) sum_j dS_ij)."""
+    if isinstance(dist, _Offsets):
+        return (ds * lax.broadcast_in_dim(dist.keys, ds.shape, [1])).sum(axis=1) - dist.queries * ds.sum(axis=1)
+    return (ds * dist).sum(axis=1)
 
 
 def _bounds(rng_ref, row, tile, n_blocks: int, walk: _Walk):
@@ -681,9 +733,12 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     first_row = 0 if ring is None or persist is not None else ring.copy_rows
     wg = lax.axis_index("wg")
     sem = None if ring is None else pl.get_global(plgpu.SemaphoreType.REGULAR((ring.steps - 1,)))
-    # without a soft cap or ALiBi the scale stays out of the max and joins exp2 as one FMA
-    fold = opts.logits_soft_cap is None and not opts.has_alibi
-    scale = opts.softmax_scale * LOG2E if fold else 1.0
+    # without ALiBi the logits' factor (the scale, or the soft cap's) stays out of the max and joins exp2 as one
+    # FMA: a multiply per score less, which the soft cap's tanh, on the exp2's unit, makes count
+    fold = not opts.has_alibi
+    # causal ALiBi as a bias per key column (`_Mods.column_bias`), its per-row part added to the lse at the end
+    separable = opts.has_alibi and opts.causal
+    scale = logit_factor(opts) if fold else 1.0
 
     of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
     base0 = 0 if persist is None else jnp.int32(0)
@@ -745,9 +800,15 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                        between=schedule, emulate=emulate)
                         plgpu.barrier_arrive(k_free.at[slot])
                         pos = None
-                        if _needs_positions(opts, kind):
+                        if _needs_positions(opts, kind, alibi_by_column=separable):
                             pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
-                        if not fold:
+                        if separable:
+                            cols = pos.cols if pos is not None else _tile_columns(bk, kstart[blk], walk)
+                            bias = mods.column_bias(cols, qpos0)
+                            s = logits2(s, opts)[0] + lax.broadcast_in_dim(bias, s.shape, [1])
+                        elif fold:
+                            s = folded_scores(s, opts)
+                        else:
                             s, _ = _scores2(s, opts, mods.distance(pos), mods)
                         if kind == "masked":
                             kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
@@ -795,7 +856,10 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 l_safe = jnp.where(seen, row_sum, 1.0)
                 norm = 1.0 / l_safe if opts.dropout_rate == 0 else _keep_scale(opts) / l_safe
                 acc = acc * lax.broadcast_in_dim(norm, acc.shape, [0])
-                lse_smem.at[wg][...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+                lse = m * _LN2 + jnp.log(l_safe)
+                if separable:
+                    lse = lse - mods.row_bias(walk)
+                lse_smem.at[wg][...] = jnp.where(seen, lse, -jnp.inf)
                 _write_rows(acc, o_smem, wg, out_ref.at[b, pl.ds(q0, ROWS), head])
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, head, pl.ds(q0, ROWS)])
                 return base
@@ -1218,12 +1282,12 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
             if kind == "masked":
                 blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bk)
                 segs = qseg, _segments(kseg_j, kseg_smem, seg_bar, b, blk_part, size, wg, 0)
-            p, keep, t, dist = _probs(s, opts, mods, pos, lse, True, segs)
+            p, keep, t, dist = _probs(s, opts, mods, pos, lse, True, segs, origin=qpos0)
             if keep is not None:
                 dp = jnp.where(keep, dp * _keep_scale(opts), 0.0)
             ds = p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0]))  # d loss / d logit
             if dist is not None:
-                dslope = dslope + (ds * dist).sum(axis=1)
+                dslope = dslope + _slope_grad(ds, dist)
             if t is not None:
                 ds = ds * cap_slope(t)
             ds16 = ds.astype(q_ref.dtype)
@@ -1410,7 +1474,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         if kind == "masked":
                             blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
                             segs = kseg, _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
-                        pt, keep, t, _ = _probs(st, opts, mods, pos, lse, False, segs)
+                        pt, keep, t, _ = _probs(st, opts, mods, pos, lse, False, segs, origin=kpos0)
                         kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
                         return pt, kept.astype(q_ref.dtype), keep, t
 
