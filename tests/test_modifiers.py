@@ -145,6 +145,21 @@ def test_dropout_mix_decides_as_murmur3_but_on_ties():
         assert differ.sum() <= np.sum((high >> 16) == (t >> 16)) and differ.mean() < 1e-4
 
 
+def test_dropout_terms_carry_the_first_xor_shift_of_their_xor():
+    """The kernels' per-element mix starts after the finaliser's first xor-shift, done on the query and key
+    vectors: the same decisions as the finaliser of the terms' xor, pair for pair."""
+    rng = np.random.default_rng(5)
+    key = jnp.uint32(rng.integers(0, 2**32, dtype=np.uint32))
+    q_pos, k_pos = (jnp.asarray(rng.integers(0, 2**20, n), jnp.int32) for n in (96, 160))
+    q_term = q_pos.astype(jnp.uint32)[:, None] * jnp.uint32(0x9E3779B1)
+    k_term = k_pos.astype(jnp.uint32)[None, :] * jnp.uint32(0x85EBCA77) + key
+    for rate in (0.1, 0.5):
+        whole = modifiers._fmix32_high(q_term ^ k_term) >= modifiers.dropout_threshold(rate)
+        split = modifiers.dropout_keep_pairs(key, rate, q_pos[:, None], k_pos[None, :])
+        np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+        assert 0.3 < np.asarray(whole).mean() < 0.95
+
+
 def test_dropout_batch_head_counts_global_heads():
     b, h = np.arange(2).reshape(2, 1), np.arange(4).reshape(1, 4)
     np.testing.assert_array_equal(modifiers.dropout_batch_head(None, b, h, 4), b * 4 + h)

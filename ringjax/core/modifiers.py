@@ -86,7 +86,16 @@ def _fmix32(x):
 def _fmix32_high(x):
     """murmur3's finaliser without its last xor-shift, which changes only the low 16 bits: the same top 16
     bits, so a threshold test on it decides as the finaliser does but where those bits tie the threshold's."""
-    x ^= x >> 16
+    return _fmix32_after_first_shift(_xor_shift16(x))
+
+
+def _xor_shift16(x):
+    """The finaliser's first step, x ^ (x >> 16). A logical shift distributes over xor, so for x = a ^ b it is
+    _xor_shift16(a) ^ _xor_shift16(b)."""
+    return x ^ (x >> 16)
+
+
+def _fmix32_after_first_shift(x):
     x *= jnp.uint32(0x85EBCA6B)
     x ^= x >> 13
     x *= jnp.uint32(0xC2B2AE35)
@@ -120,16 +129,20 @@ def dropout_key(seed0, seed1, batch_head):
 
 
 def dropout_terms(key, q_pos, k_pos):
-    """The hash's query and key terms; `dropout_keep_terms` mixes them. Kernels compute them on a
-    tile's row and column vectors, so only the mixing runs per element."""
-    return q_pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1), k_pos.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + key
+    """The hash's query and key terms, each already through the finaliser's first xor-shift (`_xor_shift16`
+    distributes over the xor that joins them); `dropout_keep_terms` mixes them. Kernels compute them on a
+    tile's row and column vectors, so only the rest of the mixing runs per element."""
+    q_term = q_pos.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+    k_term = k_pos.astype(jnp.uint32) * jnp.uint32(0x85EBCA77) + key
+    return _xor_shift16(q_term), _xor_shift16(k_term)
 
 
 def dropout_keep_terms(rate: float, q_term, k_term) -> jnp.ndarray:
     """Keep iff murmur3's finaliser of (q term xor k term), less its last xor-shift, clears the rate's threshold:
-    about 8 integer operations per element. The last xor-shift cost the Mosaic GPU forward 14% at 8K (1 H100,
-    2026-11-26) and would change the decision of about one pair in 65536."""
-    return _fmix32_high(q_term ^ k_term) >= dropout_threshold(rate)
+    6 integer operations per element (xor, two multiplies, a shift-xor, compare), the first xor-shift done per
+    vector by `dropout_terms`. The last xor-shift cost the Mosaic GPU forward 14% at 8K (1 H100, 2026-11-26) and
+    would change the decision of about one pair in 65536."""
+    return _fmix32_after_first_shift(q_term ^ k_term) >= dropout_threshold(rate)
 
 
 def dropout_keep_pairs(key, rate: float, q_pos, k_pos) -> jnp.ndarray:
