@@ -343,10 +343,15 @@ FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + 
 ]
 
 
+# head_dim 128's dQ is a visit late (both consumers' dS^T of the visit before; the first reads a visit of zeros, the
+# last is computed after the walk): the interpreter checks that handshake on a skipping walk and a masked one
+FUSED_128 = FUSED_CASES if ON_HOPPER else [FUSED_CASES[i] for i in (1, -1)]
+
+
 @needs_kernels
-@pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
-@pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", FUSED_CASES)
-def test_step_fused_backward(layout, n, shard, src, local, dtype, kw, head_dim):
+@pytest.mark.parametrize("head_dim, layout, n, shard, src, local, dtype, kw",
+                         [(64, *c) for c in FUSED_CASES] + [(128, *c) for c in FUSED_128])
+def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw):
     kw, batch, segments = _with_docs(kw, local * n)
     heads, kv_heads = (4, 2) if src % 2 else (6, 1)  # GQA groups of 2 and 6
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments,

@@ -1392,6 +1392,10 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bq // 2  # split: the queries of a block whose scores each consumer computes
+    # fused, head_dim 128: the dQ product of a visit sums both consumers' dS^T, and is issued a visit late (with
+    # the next visit's dK), so a consumer waits for the other's dS^T of the visit before its own, and the two may
+    # drift a visit apart instead of meeting every visit: 2-7% faster backward on 1 H200 (docs/performance.md)
+    lag = with_dq and d != _DQ_COLS
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
     kvh, cta = lax.axis_index("h"), lax.axis_index("k")
@@ -1450,11 +1454,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                             @pl.when(seen)
                             def _():
                                 zeros = jnp.zeros((ROWS, bq), q_ref.dtype)
-                                share, terms, write = block_dq_parts(calls[0], gi, blk, zeros)
+                                share, terms, write = block_dq_parts(calls, gi, blk, zeros)
                                 share()
                                 write(_mma([_zeros((bq, _DQ_COLS))], [terms], emulate)[0])
 
-                            return dk, dv, calls[0] + seen.astype(jnp.int32)
+                            return dk, dv, *advance(calls, gi, blk, seen)
                         return carry
 
                     # split: both consumers share the key tile; each scores its half of the block's queries over
@@ -1526,45 +1530,82 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ. dV is
                     # issued first, on P^T in registers, and computes while dS^T is stored; dQ's add into global
                     # memory leaves while dK computes (FlashAttention-3's order)
-                    share, dq_terms, write = block_dq_parts(calls[0], gi, blk, dst16)
+                    share, dq_terms, write = block_dq_parts(calls, gi, blk, dst16)
                     terms = [(pt16, do_smem.at[slot], False), dq_terms, (dst16, q_smem.at[slot], False)]
                     _, (dv, _, dk) = _mma_early([dv, (bq, _DQ_COLS), dk], terms, 1, write, emulate, before={1: share})
                     plgpu.barrier_arrive(free.at[slot])
-                    return dk, dv, calls[0] + 1
+                    return dk, dv, *advance(calls, gi, blk)
 
-                def block_dq_parts(n, gi, blk, dst16):
-                    """For dQ of query block `blk` over the CTA's 128 keys, added into global memory: `share()`
-                    stores this consumer's dS^T and meets the other's; dQ's wgmma terms; `write(dq)`. Consumer
-                    wg takes half wg of the columns over both consumers' dS^T (head_dim 128), or its own 64
-                    keys' share of all 64 columns (head_dim 64: a half would be narrower than a swizzled row)."""
-                    buf = n % 2  # rewritten two calls on: both consumers have passed the next call's barrier by then
-                    if d == _DQ_COLS:
-                        tiles, cols = [wg], pl.ds(0, d)
-                    else:
-                        tiles, cols = _parts(wg), pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
+                def block_dq_parts(calls, gi, blk, dst16):
+                    """For dQ over the CTA's 128 keys, added into global memory: `share()` stores this consumer's
+                    dS^T of query block `blk`; dQ's wgmma terms; `write(dq)`. Head_dim 128 (`lag`): consumer wg
+                    takes half wg of the columns over both consumers' dS^T of the previous visit (`calls` =
+                    (visits, its block, its head)). Head_dim 64: its own 64 keys' share of all 64 columns of this
+                    visit (a half would be narrower than a swizzled row), no other consumer's tile."""
+                    buf = calls[0] % 2
+                    if lag:
+                        cols, prev = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS), 1 - buf
+
+                        def share():
+                            # both stored dS^T of the previous visit, and the other has read our tile of the
+                            # one before it (its dQ), which this store overwrites
+                            plgpu.barrier_wait(ds_bar.at[prev])
+                            ds_smem.at[buf, wg][...] = dst16
+                            plgpu.commit_smem()
+
+                        def write(dq):  # dQ's product has read both tiles of the previous visit
+                            plgpu.barrier_arrive(ds_bar.at[buf])
+
+                            @pl.when(calls[0] > 0)
+                            def _():
+                                write_dq(dq, calls[1], calls[2], cols)
+
+                        return share, dq_products(prev, _parts(wg), cols), write
 
                     def share():
                         ds_smem.at[buf, wg][...] = dst16
                         plgpu.commit_smem()
-                        if d != _DQ_COLS:
-                            plgpu.barrier_arrive(ds_bar.at[buf])
-                            plgpu.barrier_wait(ds_bar.at[buf])
 
-                    def write(dq):
-                        rows = pl.ds(blk * bq, bq)
-                        h = kvh * groups + gi
-                        dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                        _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-
-                    return share, [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles], write
+                    cols = pl.ds(0, d)
+                    return share, dq_products(buf, [wg], cols), lambda dq: write_dq(dq, blk, gi, cols)
 
                 return _walk_tile(span, my, step, carry, walk)
+
+            def advance(calls, gi, blk, seen=True):
+                """The fused backward's carry after a visit that stored dS^T (`seen`): its count, and with `lag`
+                the visit whose dQ is still to be computed."""
+                seen = jnp.asarray(seen)
+                n = (calls[0] + seen.astype(jnp.int32),)
+                return n + (jnp.where(seen, blk, calls[1]), jnp.where(seen, gi, calls[2])) if lag else n
+
+            def dq_products(buf, tiles, cols):
+                return [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]
+
+            def write_dq(dq, blk, gi, cols):
+                rows = pl.ds(blk * bq, bq)
+                h = kvh * groups + gi
+                dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
             if walk.split:  # nothing to read yet: the first block may store its tiles
                 plgpu.barrier_arrive(read.at[0])
-            dk, dv, *_ = lax.fori_loop(0, groups, head, init)
+            if lag:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
+                init += (jnp.int32(0), jnp.int32(0))
+                ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ds_bar.at[1])
+            dk, dv, *calls = lax.fori_loop(0, groups, head, init)
+            if lag:  # the last visit's dQ
+                prev = lax.rem(calls[0] + 1, jnp.int32(2))
+                plgpu.barrier_wait(ds_bar.at[prev])
+                dq_cols = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
+                (dq,) = _mma([_zeros((bq, _DQ_COLS))], [dq_products(prev, _parts(wg), dq_cols)], emulate)
+
+                @pl.when(calls[0] > 0)
+                def _():
+                    write_dq(dq, calls[1], calls[2], dq_cols)
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
             dk = dk * opts.softmax_scale
