@@ -530,6 +530,18 @@ def run_coverage(args, rec: Recorder):
             vs = {m: (significant(x * visible, 3) if x else None) for m, x in ratios(timing, plain).items()} \
                 if plain else None
             rec.add(case, **timing, finite=finite, visible=visible, vs_plain=vs, cudnn=cudnn, **extra)
+            base = reports[-1].config if reports else None
+            for overrides in args.variant if base is not None else ():
+                row_case = {**case, "variant": variant_name(overrides)}
+                try:
+                    config = dataclasses.replace(base, **overrides)
+                    mine, _ = timed(ringjax_attention(args.implementation, True, config=config, **options), inputs,
+                                    flops, args)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
+                    rec.add(row_case, error=failure(e))
+                    continue
+                rec.add(row_case, **mine, visible=visible, vs_default=ratios(mine, timing),
+                        config=ringjax.config_to_json(config))
         del inputs_by_shape
 
 
@@ -869,11 +881,12 @@ def table_coverage(rows):
     body = []
     for r in rows:
         c = r["case"]
+        feature = c["feature"] + (f" [{c['variant']}]" if "variant" in c else "")  # --variant: vs the config above
         if "fwd_tflops" not in r:
-            body.append([kilo(c["T"]), c["feature"], "failed (below)"] + ["—"] * (9 if judged else 7))
+            body.append([kilo(c["T"]), feature, "failed (below)"] + ["—"] * (9 if judged else 7))
             continue
-        vs = r.get("vs_plain") or {}
-        body.append([kilo(c["T"]), c["feature"], r.get("implementation"), r.get("fwd_tflops"),
+        vs = r.get("vs_plain") or r.get("vs_default") or {}
+        body.append([kilo(c["T"]), feature, r.get("implementation"), r.get("fwd_tflops"),
                      r.get("fwd_bwd_tflops"), r.get("visible", "—"), vs.get("fwd"), vs.get("fwd_bwd"),
                      tflops(r.get("cudnn"), "fwd"), tflops(r.get("cudnn"), "fwd_bwd")]
                     + ([r.get("auto_vs_fastest", "—"), r.get("predicted_error", "—")] if judged else []))
@@ -1205,7 +1218,7 @@ def parser() -> argparse.ArgumentParser:
         if "tokens_per_device" in suite.defaults:
             s.add_argument("--tokens-per-device", type=ints,
                            help=f"tokens per device (default {suite.defaults['tokens_per_device']})")
-        if name in ("step", "million"):
+        if name in ("step", "million", "coverage"):
             s.add_argument("--variant", type=config_overrides, action="append", default=[],
                            metavar="KEY=VALUE[,...]",
                            help="A/B configs: also time --implementation's config with these fields replaced "
