@@ -776,3 +776,19 @@ def test_rows_of_both_timings_are_named_in_the_prediction():
     assert len(rows) == 14 and {row["back_to_back"] for row in rows} == {5}
     synced = [{k: v for k, v in row.items() if k != "back_to_back"} for row in rows]
     assert "mixed" in costs.fit_rates(rows[:8] + synced[8:]).note and "mixed" not in costs.fit_rates(rows).note
+
+
+def test_a_ring_larger_than_this_host_is_described():
+    """A ring over more devices than this process sees is judged as `explain` judges a device kind the host lacks
+    (one process holding the ring's devices), also where the host has that kind: `explain --devices 8` on a host
+    of one H200 prices the fused ring as it does on a laptop."""
+    kind, platform = registry.current_device_kind(), registry.current_platform()
+
+    def problem(axis_size):
+        opts = AttentionOptions(causal=True, axis_name="sp" if axis_size > 1 else None, axis_size=axis_size)
+        return registry.Problem(opts=opts, batch=1, seq=64, heads=2, kv_heads=1, head_dim=16, dtype="float32",
+                                platform=platform, device_kind=kind)
+
+    assert not registry.described(problem(1)) and not registry.described(problem(jax.device_count()))
+    assert registry.described(problem(jax.device_count() + 1))
+    assert registry.described(dataclasses.replace(problem(1), device_kind="NVIDIA H200")) == (kind != "NVIDIA H200")

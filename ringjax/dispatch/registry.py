@@ -124,8 +124,15 @@ def _host_device_kind(platform: str) -> str | None:
 
 
 def described(problem: Problem) -> bool:
-    """Whether `problem` names a device kind this host does not have (`python -m ringjax explain`)."""
-    return bool(problem.device_kind) and _host_device_kind(problem.platform) != problem.device_kind
+    """Whether `problem` names a device kind this host does not have, or a ring over more of its devices than
+    this process sees (`python -m ringjax explain --devices 8` on a host of one such GPU)."""
+    if not problem.device_kind:
+        return False
+    if _host_device_kind(problem.platform) != problem.device_kind:
+        return True
+    import jax
+
+    return problem.opts.axis_size > len(jax.devices(problem.platform))
 
 
 def refusal(reg: Registration, problem: Problem) -> str | None:
