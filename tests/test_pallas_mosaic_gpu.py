@@ -1069,3 +1069,13 @@ def test_alibi_lowers_for_cuda(causal):
     args = (s((1, 256, 4, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+
+
+@pytest.mark.parametrize("head_dim, kw, fused", [(128, {}, True), (128, dict(has_alibi=True), False),
+                                                 (128, dict(deterministic=True), False), (256, {}, False)])
+def test_candidates_try_the_fused_backward_where_it_runs(head_dim, kw, fused):
+    """The tuner measures the fused backward beside the split kernels wherever `split_bwd_reason` lets it run."""
+    problem = _problem(head_dim=head_dim, opts=AttentionOptions(causal=True, **kw))
+    cands = IMPLEMENTATION.candidate_configs(problem)
+    runs = [c for c in cands if c.split_bwd_reason(problem.opts, head_dim, head_dim, problem.itemsize) is None]
+    assert bool(runs) == fused and len(cands) == len(set(cands))

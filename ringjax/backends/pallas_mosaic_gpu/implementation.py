@@ -290,6 +290,14 @@ class PallasMosaicGpuImplementation:
                     if (max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0)
                             and cfg not in out):
                         out.append(cfg)
+        # the fused backward where it runs (beside the forward's leading blocks; a fused ring's backward has kernels
+        # of its own): the H200's fastest at head_dim 128 on three of the four plain shapes measured (2026-12-01),
+        # slower on masks that skip blocks; the tuner decides
+        for cfg in [c for c in out if (c.block_kv, c.num_stages, c.dkv_num_stages) == (128, 2, 2) and not c.fused]:
+            fused_bwd = dataclasses.replace(cfg, bwd_fused=True, dq_block_kv=64)
+            if fused_bwd not in out and fused_bwd.split_bwd_reason(
+                    problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None:
+                out.append(fused_bwd)
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
