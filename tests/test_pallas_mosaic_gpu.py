@@ -1079,3 +1079,19 @@ def test_candidates_try_the_fused_backward_where_it_runs(head_dim, kw, fused):
     cands = IMPLEMENTATION.candidate_configs(problem)
     runs = [c for c in cands if c.split_bwd_reason(problem.opts, head_dim, head_dim, problem.itemsize) is None]
     assert bool(runs) == fused and len(cands) == len(set(cands))
+
+
+@pytest.mark.parametrize("kw, fused", [
+    (dict(dropout_rate=0.1), True), (dict(logits_soft_cap=30.0), True), (dict(causal=False, dropout_rate=0.1), True),
+    ({}, False),  # plain: the split kernels (the shipped H200 configs say otherwise where measured)
+    (dict(dropout_rate=0.1, window=(1024, 0)), False), (dict(logits_soft_cap=30.0, has_segments=True), False),
+    (dict(dropout_rate=0.1, has_alibi=True), False), (dict(logits_soft_cap=30.0, deterministic=True), False),
+])
+def test_heuristic_fuses_the_backward_where_p_costs_most(kw, fused):
+    """At head_dim 128 the heuristic runs the fused backward (P computed once, not once per kernel) for dropout and
+    soft caps on masks that skip nothing but causal blocks (1 H200, 2026-12-01: 1.01-1.12x the split kernels)."""
+    opts = AttentionOptions(**{"causal": True, **kw})
+    config = IMPLEMENTATION.default_config(_problem(opts=opts))
+    assert config.bwd_fused == fused
+    if fused:
+        assert config.split_bwd_reason(opts, 128, 128) is None
