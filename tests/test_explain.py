@@ -208,17 +208,32 @@ def test_held_out_measurements_follow_the_model(path, count):
 _H200_COVERAGE = "benchmarks/results/nvidia-h200_2026-11-29_coverage.jsonl"
 _H200_STEPS = ("benchmarks/results/nvidia-h200_2026-11-29_step.jsonl",
                "benchmarks/results/checks/nvidia-h200_2026-11-29_step_short_back_to_back.jsonl")
+# coverage features whose Mosaic backward at head_dim 128 is the fused kernel since 2026-12-01 (the split kernels
+# before): their rows in earlier H200 files time what no longer runs, and the calibration holds the fused times
+_FUSED_SINCE = ("dropout", "soft_cap")
+_H200_FEATURES = ("plain", "head_dim=64", "head_dim=96", "head_dim=192", "head_dim=256", "float32", "alibi",
+                  "sink_tokens", "chunked", "segments", "chunked_documents", "window", "learnable_sinks")
 
 
 def test_h200_calibration_follows_calls_run_back_to_back():
     """The H200's calibration is fitted to calls dispatched back to back, as a training step runs them: every feature
-    and head_dim at 8K and 32K causal (30 rows) within 6% forward and forward+backward, and the step suite from 1K
+    and head_dim at 8K and 32K causal (30 rows; dropout's and the soft cap's from their fused runs of 2026-12-01)
+    within 6% forward and forward+backward, and the step suite from 1K
     to 32K, causal and not (auto's rows and, at 1K to 4K, Mosaic's and Triton's), within 10% forward+backward and
     forward from 4K (1K and 2K causal forwards read 22% low and 21% high: the 1K causal forward took 0.108 ms, longer
     than the 2K one's 0.104). Fitted before to calls synced one by one, its Mosaic forward+backward line had 0.48 ms
     fixed per call, the host's wait, so these 8K masks read 15-25% high and forwards up to 45%."""
-    coverage = [_prediction_errors(_H200_COVERAGE, H200, mode) for mode in costs.MODES]
-    assert all(len(e) == 30 and max(e) < 0.06 for e in coverage), coverage
+    coverage = [_prediction_errors(_H200_COVERAGE, H200, mode, keep=_H200_FEATURES) for mode in costs.MODES]
+    assert all(len(e) == 26 and max(e) < 0.06 for e in coverage), coverage
+    # dropout and the soft cap at 8K and 32K, fused (`_FUSED_SINCE`): their rows of 2026-12-01, within 6% as well
+    calibration = costs.load(H200)
+    shipped = json.loads(costs.path_for(H200, shipped=True).read_text())["kernels"]
+    fused = [r for r in shipped if r["source"].endswith("2026-12-01_coverage_8k_fused_bwd.jsonl")
+             or r["source"].endswith("2026-12-01_coverage_32k_fused_bwd.jsonl")]
+    assert len(fused) == 4
+    for row in fused:
+        found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
+        assert all(abs(getattr(found, f"{m}_s") * 1e3 / row[f"{m}_ms"] - 1) < 0.06 for m in costs.MODES), row
     steps = [e for path in _H200_STEPS for e in _prediction_errors(path, H200, seqs=True)]
     assert len(steps) == 20 and max(e for _, e in steps) < 0.1, steps
     forwards = [e for path in _H200_STEPS for e in _prediction_errors(path, H200, "fwd", seqs=True)]
@@ -268,6 +283,7 @@ def _prediction_errors(path: str, kind: str = H100, mode: str = "fwd_bwd", candi
     ("benchmarks/results/nvidia-h200_2026-11-28_coverage.jsonl", H200, 31, 0.22),
     ("benchmarks/results/checks/nvidia-h200_2026-11-29_coverage_candidates_8k.jsonl", H200, 15, 0.08)])
 def test_coverage_candidates_judge_the_shipped_calibration(path, kind, count, within):
+    # the H200 rows of `_FUSED_SINCE` timed the split backward, which those calls no longer run: picks judged only
     """`coverage --candidates` on one H100 (jax 0.11.2, 2026-11-27; checks/, not fitted) and one H200 (jax 0.11.2,
     2026-11-28 10:40-10:55 UTC): every feature and head_dim at 8K and 32K causal, each implementation auto could
     run timed, each call synced with the host. The shipped calibration predicts auto's fwd+bwd within `within` on
@@ -284,7 +300,8 @@ def test_coverage_candidates_judge_the_shipped_calibration(path, kind, count, wi
         row = calibrate.kernel_row(result, path)
         problem = costs.problem_of(row)
         found = costs.predict(calibration, row["implementation"], problem)
-        assert abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1) < within, result["case"]
+        if not (kind == H200 and result["case"]["feature"] in _FUSED_SINCE):
+            assert abs(found.fwd_bwd_s * 1e3 / row["fwd_bwd_ms"] - 1) < within, result["case"]
         measured = {name: c["fwd_bwd_ms"] for name, c in result["candidates"].items() if c.get("fwd_bwd_ms")}
         priced = {name: costs.predict(calibration, name, problem) for name in measured}
         picked = min((name for name in measured if priced[name]), key=lambda name: priced[name].fwd_bwd_s)
