@@ -61,8 +61,9 @@ def ring_attention(
     `deterministic=True` makes gradients bitwise-identical from run to run at a fixed ring size and
     config (across ring sizes dK/dV are summed over ring steps in another float32 order, so they
     differ in the last bits; so do other block sizes). It makes the fused backwards (`bwd_fused=True` of
-    the Triton and Mosaic GPU configs, dQ summed by atomic adds; Mosaic GPU's default at head_dim 64)
-    run split, at the split backward's time; every other backward already is deterministic.
+    the Triton and Mosaic GPU configs, dQ summed by atomic adds; Mosaic GPU's default at head_dim 64, and at
+    128 with dropout or a soft cap) run split, at the split backward's time; every other backward already
+    is deterministic.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |
