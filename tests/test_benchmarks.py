@@ -237,6 +237,28 @@ def test_step_variants_time_configs_side_by_side(tmp_path):
     assert bad.returncode != 0 and "--variant needs --implementation" in bad.stderr
 
 
+def test_coverage_variants_follow_each_feature(tmp_path):
+    """coverage --variant: each feature's own row, then each variant's with the config that ran and its ratio to
+    the default (`vs_default`), out of calibrations; a variant the config cannot take is a row, not a crash."""
+    from ringjax.dispatch import calibrate
+
+    child = run_bench(tmp_path, "coverage", "--tiny", "--implementation", "xla", "--features", "plain,window",
+                      "--variant", "block_q=64,block_kv=32", "--variant", "no_such_field=1")
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows = rows_of(tmp_path, "coverage")
+    names = ("default", "block_q=64,block_kv=32", "no_such_field=1")
+    assert [(r["case"]["feature"], r["case"].get("variant", "default")) for r in rows] == [
+        (f, v) for f in ("plain", "window") for v in names]
+    for r in rows:
+        variant = r["case"].get("variant")
+        assert (calibrate.kernel_row(r, "x") is None) == (variant is not None)
+        if variant == names[1]:
+            assert r["config"] == {"block_q": 64, "block_kv": 32} and set(r["vs_default"]) >= {"fwd", "fwd_bwd"}
+        elif variant == names[2]:
+            assert "no_such_field" in r["error"]
+    assert "| plain [block_q=64,block_kv=32] |" in child.stdout
+
+
 def test_million_variants_time_each_config(tmp_path):
     """million --variant: the implementation's own config, then each variant's, each row saying which ran."""
     child = run_bench(tmp_path, "million", "--tiny", "--implementation", "xla", "--tokens", "1024", "--variant",
