@@ -206,18 +206,18 @@ class _Mods:
         """-|i - j| of the tile at positions `pos` (ALiBi's factor), or None without ALiBi."""
         return None if self.slope is None else alibi_distance_pairs(*pos.full())
 
+    def bias2(self, offsets):
+        """slope log2(e) times positions' `_Offsets` from a tile's origin: causal ALiBi's base-2 part of them."""
+        return (self.slope * LOG2E) * offsets
+
     def column_bias(self, cols, row0):
-        """ALiBi's base-2 bias of a causal tile, less a per-row constant: slope log2(e) (j - row0) per column.
-        Causal, every visible pair has j <= i, so -slope |i - j| = slope (j - row0) - slope (i - row0): the
-        second term is the same for a row over every key, so the softmax drops it (`row_bias` puts it back in
-        the lse), and what is left costs one add per score in place of a distance per score. Relative to
-        row0, the tile's first query, the shifted logits stay within slope * (rows - 1) * row stride of the
-        true ones."""
-        bias = (self.slope * LOG2E) * (cols - row0).astype(jnp.float32)
-        return plgpu.layout_cast(bias, plgpu.Layout.WGMMA.reduce(0))
+        """The forward's causal ALiBi: the keys' part (`_Offsets`) of a tile whose first query, row0, is the origin,
+        so the shifted logits stay within slope * (rows - 1) * row stride of the true ones."""
+        return plgpu.layout_cast(self.bias2(_offsets(cols, row0)), plgpu.Layout.WGMMA.reduce(0))
 
     def row_bias(self, walk: "_Walk"):
-        """slope (i - row0) of a row tile's rows (natural units): what `column_bias` left out of each row's lse."""
+        """slope (i - row0) of a row tile's rows (natural units): the queries' part, which the forward puts back
+        into each row's lse."""
         rows = walk.row_stride * plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=plgpu.Layout.WGMMA.reduce(1))
         return plgpu.layout_cast(self.slope * rows.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
@@ -265,16 +265,16 @@ def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None
     base-2 logits less the rows' (or columns') base-2 lse, masked where `segments` (row ids, column ids) is
     given; with the dropout keep mask, the soft cap's tanh and ALiBi's distances (each None where unused).
 
-    Causal ALiBi with `origin` (a position within the tile's rows): -|i - j| = (j - origin) - (i - origin) on
-    every visible pair, so the keys' part joins the scores and the queries' part the lse, a vector each, and
-    the distances come back as that pair of offset vectors (`_slope_grad` reads either form)."""
+    Causal ALiBi with `origin` (a position within the tile's rows) is kept separable (`_Offsets`): the keys'
+    part joins the scores and the queries' part the lse, and the distances come back as the two offset vectors
+    (`_slope_grad` reads either form)."""
     q_axis, k_axis = (0, 1) if rows_are_queries else (1, 0)
     if origin is not None and mods.slope is not None and opts.causal:
         qv, kv = (pos.rows, pos.cols) if rows_are_queries else (pos.cols, pos.rows)
-        dist = _Offsets(*((v - origin).astype(jnp.float32) for v in (qv, kv)))
+        dist = _Offsets(*(_offsets(v, origin) for v in (qv, kv)))
         s2, t = logits2(s, opts)
-        s2 = s2 + lax.broadcast_in_dim((mods.slope * LOG2E) * dist.keys, s2.shape, [k_axis])
-        lse = lse + (mods.slope * LOG2E) * dist.queries
+        s2 = s2 + lax.broadcast_in_dim(mods.bias2(dist.keys), s2.shape, [k_axis])
+        lse = lse + mods.bias2(dist.queries)
     else:
         dist = mods.distance(pos)
         s2, t = _scores2(s, opts, dist, mods)
@@ -286,11 +286,18 @@ def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None
 
 
 class _Offsets(NamedTuple):
-    """Query and key positions less a tile's origin (float32 vectors): causal ALiBi's distances, j - i, kept
-    separable (`_probs`)."""
+    """Query and key positions less a tile's origin o (float32 vectors): causal ALiBi's distances kept separable.
+    Causal, every visible pair has j <= i, so -slope |i - j| = slope (j - o) - slope (i - o): the queries' term
+    is one per row, which the softmax drops and the lse carries, and the keys' term costs an add per score in
+    place of a distance per score (the forward, `_Mods.column_bias` / `row_bias`; the backward, `_probs`)."""
 
     queries: jax.Array
     keys: jax.Array
+
+
+def _offsets(positions, origin):
+    """`positions` less `origin`, as float32 (one vector of `_Offsets`)."""
+    return (positions - origin).astype(jnp.float32)
 
 
 def _slope_grad(ds, dist):
