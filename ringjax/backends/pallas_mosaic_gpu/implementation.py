@@ -251,24 +251,24 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
         # 1% (1 H200, 2026-11-29, checks/..._forward_head_dims)
         config = MosaicGpuConfig(block_kv=64, num_stages=2, dq_block_kv=64, dq_num_stages=2, dkv_num_stages=2,
                                  persistent=may_skip(problem.opts))
-    elif _recomputes_heavily(problem):
-        # the split backward computes P twice, once per kernel; the fused one once. Fused over split fwd+bwd on 1
-        # H200 (jax 0.11.2, 2026-12-01, 8K / 32K causal): dropout 1.05 / 1.12, soft cap 1.01 / 1.08
-        # (checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd); masks that skip blocks ran 0.68-0.95 there
-        config = MosaicGpuConfig(dkv_num_stages=2, bwd_fused=True)
     else:
         config = MosaicGpuConfig()
+        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True)
+        if _recomputes_heavily(problem) and fused_bwd.split_bwd_reason(problem.opts, *problem.head_dims,
+                                                                       problem.itemsize) is None:
+            # the split backward computes P twice, once per kernel; the fused one once. Fused over split fwd+bwd
+            # on 1 H200 (jax 0.11.2, 2026-12-01, 8K / 32K causal): dropout 1.05 / 1.12, soft cap 1.01 / 1.08
+            # (checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd); masks that skip blocks ran 0.68-0.95 there
+            config = fused_bwd
     return dataclasses.replace(config, fused=True) if fuses_ring(problem) else config
 
 
 def _recomputes_heavily(problem: Problem) -> bool:
     """Whether a head_dim-128 call's probabilities cost much per score (dropout's hash, the soft cap's tanh) and
-    its mask skips no block but the causal ones; not where the fused backward falls back to the split kernels
-    (`MosaicGpuConfig.split_bwd_reason`: ALiBi, deterministic=True)."""
+    its mask skips no block but the causal ones."""
     opts = problem.opts
     return (problem.head_dims == (128, 128) and (opts.dropout_rate > 0 or opts.logits_soft_cap is not None)
-            and opts.window is None and opts.chunk_size is None and not opts.has_segments
-            and not opts.num_sink_tokens and not opts.has_alibi and not opts.deterministic)
+            and not may_skip(dataclasses.replace(opts, causal=False)) and not opts.num_sink_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

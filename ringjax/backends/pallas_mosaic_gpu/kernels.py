@@ -1534,9 +1534,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                      emulate)
                         plgpu.barrier_arrive(free.at[slot])
                         return dk, dv
-                    # fused: dS^T goes to shared memory, where both consumers read it for the block's dQ. dV is
-                    # issued first, on P^T in registers, and computes while dS^T is stored; dQ's add into global
-                    # memory leaves while dK computes (FlashAttention-3's order)
+                    # fused: dS^T goes to shared memory, where both consumers read it for dQ (at head_dim 128 the
+                    # previous visit's). dV is issued first, on P^T in registers, and computes while dS^T is
+                    # stored; dQ's add into global memory leaves while dK computes (FlashAttention-3's order)
                     share, dq_terms, write = block_dq_parts(calls, gi, blk, dst16)
                     terms = [(pt16, do_smem.at[slot], False), dq_terms, (dst16, q_smem.at[slot], False)]
                     _, (dv, _, dk) = _mma_early([dv, (bq, _DQ_COLS), dk], terms, 1, write, emulate, before={1: share})
@@ -1551,7 +1551,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     visit (a half would be narrower than a swizzled row), no other consumer's tile."""
                     buf = calls[0] % 2
                     if lag:
-                        cols, prev = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS), 1 - buf
+                        prev = 1 - buf
+                        terms, cols = lagged_products(prev)
 
                         def share():
                             # both stored dS^T of the previous visit, and the other has read our tile of the
@@ -1567,7 +1568,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                             def _():
                                 write_dq(dq, calls[1], calls[2], cols)
 
-                        return share, dq_products(prev, _parts(wg), cols), write
+                        return share, terms, write
 
                     def share():
                         ds_smem.at[buf, wg][...] = dst16
@@ -1588,6 +1589,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             def dq_products(buf, tiles, cols):
                 return [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]
 
+            def lagged_products(buf):
+                """Head_dim 128: consumer wg's half of the columns of dQ over both consumers' dS^T in `buf`."""
+                cols = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
+                return dq_products(buf, _parts(wg), cols), cols
+
             def write_dq(dq, blk, gi, cols):
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
@@ -1607,8 +1613,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             if lag:  # the last visit's dQ
                 prev = lax.rem(calls[0] + 1, jnp.int32(2))
                 plgpu.barrier_wait(ds_bar.at[prev])
-                dq_cols = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
-                (dq,) = _mma([_zeros((bq, _DQ_COLS))], [dq_products(prev, _parts(wg), dq_cols)], emulate)
+                terms, dq_cols = lagged_products(prev)
+                (dq,) = _mma([_zeros((bq, _DQ_COLS))], [terms], emulate)
 
                 @pl.when(calls[0] > 0)
                 def _():
