@@ -349,13 +349,15 @@ FUSED_128 = FUSED_CASES if ON_HOPPER else [FUSED_CASES[i] for i in (1, -1)]
 
 
 @needs_kernels
-@pytest.mark.parametrize("head_dim, layout, n, shard, src, local, dtype, kw",
-                         [(64, *c) for c in FUSED_CASES] + [(128, *c) for c in FUSED_128])
-def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw):
+@pytest.mark.parametrize("head_dim, layout, n, shard, src, local, dtype, kw, dq_first",
+                         [(64, *c, False) for c in FUSED_CASES] + [(128, *c, False) for c in FUSED_128]
+                         + [(d, *c, True) for d, c in [(64, FUSED_CASES[-1])] + [(128, c) for c in FUSED_128]])
+def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, dq_first):
+    """Also with dQ's product issued before dV's (`bwd_dq_first`): the same handshake in another order."""
     kw, batch, segments = _with_docs(kw, local * n)
     heads, kv_heads = (4, 2) if src % 2 else (6, 1)  # GQA groups of 2 and 6
     _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=batch, segments=segments,
-                config=FUSED, **kw)
+                config=dataclasses.replace(FUSED, bwd_dq_first=dq_first), **kw)
 
 
 @needs_kernels

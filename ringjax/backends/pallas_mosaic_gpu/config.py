@@ -54,7 +54,9 @@ class MosaicGpuConfig(KernelConfig):
     softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
     head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
     its dS^T tiles beside `dkv_num_stages` stages: `split_bwd_reason`) the two kernels do, and the
-    "ringjax.implementation" report says which ran and why. Its dQ
+    "ringjax.implementation" report says which ran and why. `bwd_dq_first`: the fused backward issues each
+    visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
+    dS^T store none): faster without a causal mask, slower with one (1 H200, 2026-12-01). Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
     with the op's `deterministic=True`. `fused`: the forward ring as one kernel per call that copies the
     other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it
@@ -81,6 +83,7 @@ class MosaicGpuConfig(KernelConfig):
     dkv_num_stages: int = int_in(2, 6, default=3)
     pair_heads: bool = True
     bwd_fused: bool = False
+    bwd_dq_first: bool = False
     fused: bool = False
     persistent: bool = True
     interpret: bool = False

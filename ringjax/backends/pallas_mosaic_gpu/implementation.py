@@ -306,13 +306,14 @@ class PallasMosaicGpuImplementation:
                             and cfg not in out):
                         out.append(cfg)
         # the fused backward where it runs (beside the forward's leading blocks; a fused ring's backward has kernels
-        # of its own): the H200's fastest at head_dim 128 on three of the four plain shapes measured (2026-12-01),
-        # slower on masks that skip blocks; the tuner decides
+        # of its own), in both orders of its dQ product: the H200's fastest at head_dim 128 on three of the four
+        # plain shapes measured (2026-12-01), dQ first where not causal; slower on masks that skip blocks; the tuner
+        # decides
         for cfg in [c for c in out if (c.block_kv, c.num_stages, c.dkv_num_stages) == (128, 2, 2) and not c.fused]:
             fused_bwd = dataclasses.replace(cfg, bwd_fused=True, dq_block_kv=64)
             if fused_bwd not in out and fused_bwd.split_bwd_reason(
                     problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None:
-                out.append(fused_bwd)
+                out += [fused_bwd, dataclasses.replace(fused_bwd, bwd_dq_first=True)]
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:

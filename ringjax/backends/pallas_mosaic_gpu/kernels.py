@@ -1377,7 +1377,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
-                ring: _Ring | None = None):
+                dq_first: bool = False, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
@@ -1535,11 +1535,19 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         plgpu.barrier_arrive(free.at[slot])
                         return dk, dv
                     # fused: dS^T goes to shared memory, where both consumers read it for dQ (at head_dim 128 the
-                    # previous visit's). dV is issued first, on P^T in registers, and computes while dS^T is
-                    # stored; dQ's add into global memory leaves while dK computes (FlashAttention-3's order)
+                    # previous visit's). By default dV is issued first, on P^T in registers, and computes while
+                    # dS^T is stored; dQ's add into global memory leaves while dK computes (FlashAttention-3's
+                    # order). `dq_first`: dS^T is stored first and dQ's product issued before dV's, so its store
+                    # and add overlap both dV and dK (config.bwd_dq_first)
                     share, dq_terms, write = block_dq_parts(calls, gi, blk, dst16)
-                    terms = [(pt16, do_smem.at[slot], False), dq_terms, (dst16, q_smem.at[slot], False)]
-                    _, (dv, _, dk) = _mma_early([dv, (bq, _DQ_COLS), dk], terms, 1, write, emulate, before={1: share})
+                    order = ("dq", "dv", "dk") if dq_first else ("dv", "dq", "dk")
+                    accs = {"dv": dv, "dq": (bq, _DQ_COLS), "dk": dk}
+                    terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
+                             "dk": (dst16, q_smem.at[slot], False)}
+                    at = order.index("dq")
+                    _, out = _mma_early([accs[n] for n in order], [terms[n] for n in order], at, write, emulate,
+                                        before={at: share})
+                    dv, dk = out[order.index("dv")], out[order.index("dk")]
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv, *advance(calls, gi, blk)
 
@@ -1887,5 +1895,6 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                          walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
-                         added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True)
+                         added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
+                         dq_first=config.bwd_dq_first)
     return (dq.sum((0, 1)) if parts else dq), dk, dv
