@@ -259,7 +259,7 @@ def run_step(args, rec: Recorder):
     """One device: ringjax, cuDNN and tokamax side by side, per T and causal. With --variant: ringjax's
     config as it would run and with each variant's fields replaced, in --rounds interleaved rounds."""
     shape = args.shape
-    for t, causal in progress([(t, c) for t in args.seqs for c in (True, False)], "step"):
+    for t, causal in progress([(t, c) for t in args.seqs for c in STEP_MASKS[args.masks]], "step"):
         inputs = random_inputs(shape, t)
         ref_name, ref = reference(*inputs[:3], causal)
         flops = shape.flops(t, causal)
@@ -278,6 +278,9 @@ def run_step(args, rec: Recorder):
                 check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
                 rec.add(case, **timing, **check)
         del inputs, ref
+
+
+STEP_MASKS = {"both": (True, False), "causal": (True,), "full": (False,)}  # step --masks: which cases run
 
 
 def step_variants(args, rec: Recorder, case: dict, inputs, flops: float, reference_out):
@@ -1228,6 +1231,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "step":
             s.add_argument("--rounds", type=int, default=2,
                            help="with --variant: interleaved rounds of the default and every variant (default 2)")
+            s.add_argument("--masks", choices=tuple(STEP_MASKS), default="both",
+                           help="the causal cases, the full (not causal) ones, or both (default)")
         if name == "ring":
             s.add_argument("--fused", action="store_true",
                            help="also the fused ring (Mosaic GPU, MosaicGpuConfig(fused=True)): the forward and the "

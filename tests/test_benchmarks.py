@@ -237,6 +237,13 @@ def test_step_variants_time_configs_side_by_side(tmp_path):
     assert bad.returncode != 0 and "--variant needs --implementation" in bad.stderr
 
 
+def test_step_masks_picks_the_cases(tmp_path):
+    """--masks full: only the cases without a causal mask run (an A/B of a config that matters there)."""
+    child = run_bench(tmp_path, "step", "--tiny", "--implementation", "xla", "--masks", "full")
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert {r["case"]["causal"] for r in rows_of(tmp_path, "step")} == {False}
+
+
 def test_coverage_variants_follow_each_feature(tmp_path):
     """coverage --variant: each feature's own row, then each variant's with the config that ran and its ratio to
     the default (`vs_default`), out of calibrations; a variant the config cannot take is a row, not a crash."""
