@@ -581,6 +581,17 @@ def _consumer_share(wg, tiles, heads, bounds):
     return pick(tiles[0][0], tiles[1][0]), pick(heads[0], heads[1]), [pick(a, c) for a, c in zip(*bounds)]
 
 
+def _per_consumer(body):
+    """body(wg) in each consumer warpgroup, its index a constant there: traced (Mosaic GPU's lowering rejects
+    constant indices into a transformed shared-memory ref inside a wgmma) but folded by the compiler, so the
+    tiles a consumer indexes by wg sit at constant addresses and their wgmma descriptors are constants. With
+    wg unknown, LLVM hoists every descriptor (64 bits per 16-wide step of each tile) out of the loop and ptxas
+    spills them, reloading them before each wgmma (1 H200, 2026-12-02, docs/performance.md)."""
+    wg = lax.axis_index("wg")
+    for w in (0, 1):
+        pl.when(wg == w)(lambda w=w: body(wg * 0 + w))
+
+
 def _parts(wg):
     """Indices 0 and 1 of a split tile's halves, as traced values (Mosaic GPU's lowering rejects constant
     indices into a transformed shared-memory ref inside a wgmma)."""
@@ -1422,8 +1433,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
         span = _Span.union(*bounds)
 
-        @pl.when(wg < 2)
-        def _consumer():
+        def _consumer(wg):
             plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
             tile = jnp.where(wg == 0, tiles[0], tiles[1])
             my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
@@ -1637,6 +1647,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 plgpu.wait_smem_to_gmem(0)
 
             store(write)
+
+        _per_consumer(_consumer)
 
         @pl.when(wg == 2)
         def _producer():
