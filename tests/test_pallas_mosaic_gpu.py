@@ -361,6 +361,24 @@ def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
+def test_step_backward_tile_major(config):
+    """The backward's CTAs started tile by tile across heads (`bwd_tile_major`): the same gradients."""
+    layout, n, shard, src, local, dtype, kw = FUSED_CASES[-1]
+    kw, batch, segments = _with_docs(kw, local * n)
+    _check_step(layout, n, shard, src, local, dtype, 64, 4, 2, batch=batch, segments=segments,
+                config=dataclasses.replace(config, bwd_tile_major=True), **kw)
+
+
+def test_candidates_order_the_causal_backward_longest_first():
+    causal = IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions(causal=True)))
+    major = [c for c in causal if c.bwd_tile_major]
+    assert dataclasses.replace(causal[0], bwd_tile_major=True) in major and len(set(causal)) == len(causal)
+    assert any(c.bwd_fused for c in major)
+    assert not any(c.bwd_tile_major for c in IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions())))
+
+
+@needs_kernels
 @pytest.mark.parametrize("kw", [{}, dict(dropout_rate=0.1, logits_soft_cap=3.0)])
 def test_step_with_the_heuristic_256_key_blocks(kw):
     """The heuristic's head_dim-64 config where every block is visible: 256-key forward blocks in two stages
@@ -1027,8 +1045,8 @@ def test_sink_step_lowers_for_cuda():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("d, dv", [(64, 64), (128, 128), (128, 64)])
-def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
+@pytest.mark.parametrize("d, dv, tile_major", [(64, 64, False), (128, 128, False), (128, 64, False), (128, 128, True)])
+def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -1043,7 +1061,7 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv):
     def f(q, k, v, do, lse, delta, seg):
         pos = jnp.arange(t, dtype=jnp.int32)
         cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), bwd_fused=True,
-                                  dkv_num_stages=2)
+                                  dkv_num_stages=2, bwd_tile_major=tile_major)
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 1

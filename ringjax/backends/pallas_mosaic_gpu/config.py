@@ -58,14 +58,17 @@ class MosaicGpuConfig(KernelConfig):
     visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
     dS^T store none): faster without a causal mask, slower with one (1 H200, 2026-12-01). Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
-    with the op's `deterministic=True`. `fused`: the forward ring as one kernel per call that copies the
-    other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it
-    computes on its own, instead of a kernel per ring step with ppermutes between them; the backward's
-    dK/dV likewise one kernel that also stores the other sources' float32 partials into their owners' slots
-    (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
-    source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not
-    O(sequence / devices)); the ring axis must span every device. The heuristic config (what `auto` runs
-    untuned) sets it where the call allows and those slots fit (`implementation.fuses_ring`).
+    with the op's `deterministic=True`. `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row
+    tile, each tile of every head before the next tile, instead of head by head (the forward's persistent CTAs
+    order their work themselves); under a causal mask the first tiles are the heaviest, so this is the
+    longest-first order. Its effect is predicted, not measured (docs/performance.md). `fused`: the forward ring as
+    one kernel per call that copies the other devices' K/V into receive slots itself (remote TMA, semaphores;
+    `kernels.fused_ring_fwd`) while it computes on its own, instead of a kernel per ring step with ppermutes between
+    them; the backward's dK/dV likewise one kernel that also stores the other sources' float32 partials into their
+    owners' slots (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
+    source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not O(sequence /
+    devices)); the ring axis must span every device. The heuristic config (what `auto` runs untuned) sets it where
+    the call allows and those slots fit (`implementation.fuses_ring`).
     `persistent`: where no row tile can visit more than 128 key blocks (64 over all sources of a fused ring
     pass), the forward launches one CTA per SM that walks row tiles sorted by their work
     (`kernels._Persist`), so one tile's pipeline fill and epilogue overlap the next tile's loads; in a
@@ -84,6 +87,7 @@ class MosaicGpuConfig(KernelConfig):
     pair_heads: bool = True
     bwd_fused: bool = False
     bwd_dq_first: bool = False
+    bwd_tile_major: bool = False
     fused: bool = False
     persistent: bool = True
     interpret: bool = False

@@ -314,6 +314,11 @@ class PallasMosaicGpuImplementation:
             if fused_bwd not in out and fused_bwd.split_bwd_reason(
                     problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None:
                 out += [fused_bwd, dataclasses.replace(fused_bwd, bwd_dq_first=True)]
+        # a causal mask gives the first row tiles the most work: the backward's CTAs longest first
+        # (`bwd_tile_major`; predicted, docs/performance.md), beside the heuristic's and its fused backward
+        if problem.opts.causal:
+            major = [dataclasses.replace(c, bwd_tile_major=True) for c in out[:1] + [c for c in out if c.bwd_fused]]
+            out += [c for i, c in enumerate(major) if c not in out and c not in major[:i]]
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:

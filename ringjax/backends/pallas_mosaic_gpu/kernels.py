@@ -970,10 +970,15 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
     `added` (a shape/dtype): the kernel also takes a zero-initialised float32 array as its last input ref and
     adds into it in place (TMA reduce-add); it comes back first among the outputs.
     """
+    names = ("h", rows, "b")
+    if config.bwd_tile_major and kernel is not _fwd_kernel and "ring" not in static:
+        # CUDA starts CTAs in the order of the grid's last axis fastest, the first slowest: a row tile's CTA of
+        # every head before any head's next tile, instead of every tile of a head before the next head
+        grid, names = (grid[1], grid[0], grid[2]), (rows, "h", "b")
     body = functools.partial(kernel, opts=opts, walk=walk, groups=groups, has_seg=has_seg, emulate=config.interpret,
                              **static)
     if added is None:
-        outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=("h", rows, "b"),
+        outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
                             num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
                             **_interpret(config))(*args)
         return _unify_with(args, *outs)
@@ -981,7 +986,7 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
     # rejects Ref arguments in jax 0.10) with the same mesh and scoped scratch as plgpu.kernel builds
     # the Ref is invariant over the mesh axes (pl.kernel rejects varying Refs); its value varies like the args
     acc = jax.new_ref(jnp.zeros(added.shape, added.dtype))
-    mesh = plgpu.Mesh(grid=grid, grid_names=("h", rows, "b"), num_threads=3, thread_name="wg")
+    mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=3, thread_name="wg")
 
     def scoped(*refs):
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
