@@ -371,7 +371,7 @@ def launch(q_rows, k, v, k_pos, row_pos, table, k_len, opts, config: DecodeConfi
     extra = {"interpret": plgpu.InterpretGPUParams()} if interpret else {}
     out, lse = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(b, kvh, splits),
                             grid_names=("b", "h", "split"), num_threads=tiles + 1, thread_name="wg",
-                            compiler_params=_compiler_params(), **extra)(*args)
+                            compiler_params=_compiler_params(), kernel_name="ringjax_decode", **extra)(*args)
     return out, lse
 
 

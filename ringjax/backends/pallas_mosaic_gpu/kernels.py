@@ -977,9 +977,12 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
         grid, names = (grid[1], grid[0], grid[2]), (rows, "h", "b")
     body = functools.partial(kernel, opts=opts, walk=walk, groups=groups, has_seg=has_seg, emulate=config.interpret,
                              **static)
+    # what profiles show (as NAME_mosaic_gpu_kernel): ringjax_fwd, _dq, _dkv, _dkv_dq (fused), _ring when fused
+    name = "ringjax_" + kernel.__name__.strip("_").removesuffix("_kernel") + ("_dq" if added is not None else "")
+    name += "_ring" if "ring" in static else ""
     if added is None:
         outs = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
-                            num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
+                            num_threads=3, thread_name="wg", compiler_params=_compiler_params(), kernel_name=name,
                             **_interpret(config))(*args)
         return _unify_with(args, *outs)
     # a Ref argument is aliased in and out of the kernel; pl.kernel (not plgpu.kernel, whose vmap wrapper
@@ -992,7 +995,7 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
         pl.run_scoped(functools.partial(body, *refs), *scratch, collective_axes="wg")
 
     with _compat.unchecked_vma():
-        outs = pl.kernel(scoped, out_type=tuple(out_type), mesh=mesh, compiler_params=_compiler_params(),
+        outs = pl.kernel(scoped, out_type=tuple(out_type), mesh=mesh, compiler_params=_compiler_params(), name=name,
                          **_interpret(config))(*args, acc)
     return _unify_with(args, acc[...], *outs)
 
