@@ -973,14 +973,18 @@ def test_shared_memory_count_matches_the_compiler(d, dv, kw, kernel, segments, f
             lower(lowering_platforms=("cuda",))
 
 
-def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
-    """Mosaic GPU kernel calls in f(q, k, v, do, lse, delta, seg) lowered for CUDA (8 q / 2 kv heads, batch 1)."""
+def _lowered_for_cuda(f, t: int, d: int, dv: int) -> str:
+    """f(q, k, v, do, lse, delta, seg) lowered for CUDA (8 q / 2 kv heads, batch 1), as text."""
     s = jax.ShapeDtypeStruct
     args = (s((1, t, 8, d), jnp.bfloat16), s((1, t, 2, d), jnp.bfloat16), s((1, t, 2, dv), jnp.bfloat16),
             s((1, t, 8, dv), jnp.bfloat16), s((1, 8, t), jnp.float32), s((1, 8, t), jnp.float32),
             s((1, t), jnp.int32))
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return text.count("stablehlo.custom_call @mosaic_gpu")
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
+    """Mosaic GPU kernel calls in f (`_lowered_for_cuda`)."""
+    return _lowered_for_cuda(f, t, d, dv).count("stablehlo.custom_call @mosaic_gpu")
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
@@ -1084,17 +1088,14 @@ def test_kernels_are_named_for_profiles():
     opts = AttentionOptions(softmax_scale=0.1, causal=True)
     fused = MosaicGpuConfig(bwd_fused=True, dkv_num_stages=2)
 
-    def f(q, k, v, do, lse, delta):
+    def f(q, k, v, do, lse, delta, seg):
         pos = jnp.arange(t, dtype=jnp.int32)
         qi, ki = TokenInfo(pos, None, pos[None]), TokenInfo(pos - t, None, pos[None] - t)
         return (block_fwd(q, k, v, qi, ki, Extras(), opts, fused),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, Extras(), opts, fused),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, Extras(), opts, MosaicGpuConfig()))
 
-    s = jax.ShapeDtypeStruct
-    qs, ls = s((1, t, 8, d), jnp.bfloat16), s((1, 8, t), jnp.float32)
-    text = jax.jit(f).trace(qs, qs, qs, qs, ls, ls).lower(lowering_platforms=("cuda",)).as_text()
-    names = set(re.findall(r"(ringjax_[a-z_]+?)_mosaic_gpu", text))
+    names = set(re.findall(r"(ringjax_[a-z_]+?)_mosaic_gpu", _lowered_for_cuda(f, t, d, d)))
     assert names == {"ringjax_fwd", "ringjax_dkv_dq", "ringjax_dq", "ringjax_dkv"}
 
 

@@ -317,8 +317,10 @@ class PallasMosaicGpuImplementation:
         # a causal mask gives the first row tiles the most work: the backward's CTAs longest first
         # (`bwd_tile_major`; predicted, docs/performance.md), beside the heuristic's and its fused backward
         if problem.opts.causal:
-            major = [dataclasses.replace(c, bwd_tile_major=True) for c in out[:1] + [c for c in out if c.bwd_fused]]
-            out += [c for i, c in enumerate(major) if c not in out and c not in major[:i]]
+            for cfg in out[:1] + [c for c in out if c.bwd_fused]:
+                major = dataclasses.replace(cfg, bwd_tile_major=True)
+                if major not in out:
+                    out.append(major)
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
