@@ -370,11 +370,29 @@ def test_step_backward_tile_major(config):
                 config=dataclasses.replace(config, bwd_tile_major=True), **kw)
 
 
+@pytest.mark.parametrize("head_dim, seq, kw, fused, dq_first, tile_major", [
+    (128, 8192, dict(causal=True), False, False, True),
+    (128, 4096, dict(causal=True), False, False, True),
+    (128, 16384, dict(causal=True), True, False, False),
+    (128, 8192, dict(), True, True, False),
+    (128, 8192, dict(causal=True, dropout_rate=0.1), True, False, True),
+    (128, 8192, dict(causal=True, window=(1024, 0)), False, False, False),
+    (64, 8192, dict(causal=True), True, False, True),
+    (256, 8192, dict(causal=True), False, False, False),
+])
+def test_heuristic_backward_follows_length_and_head_dim(head_dim, seq, kw, fused, dq_first, tile_major):
+    """The heuristic's backward (what `auto` runs without a tuned entry): causal shards up to 8K in tile-major
+    order at head_dims up to 128; at head_dim 128 the fused backward where the mask skips only causal blocks, but
+    on short causal shards, where the split kernels are as fast; dQ first where not causal."""
+    config = IMPLEMENTATION.default_config(_problem(head_dim=head_dim, seq=seq, opts=AttentionOptions(**kw)))
+    assert (config.bwd_fused, config.bwd_dq_first, config.bwd_tile_major) == (fused, dq_first, tile_major)
+
+
 def test_candidates_order_the_causal_backward_longest_first():
     causal = IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions(causal=True)))
     major = [c for c in causal if c.bwd_tile_major]
-    assert dataclasses.replace(causal[0], bwd_tile_major=True) in major and len(set(causal)) == len(causal)
-    assert any(c.bwd_fused for c in major)
+    assert causal[0].bwd_tile_major and dataclasses.replace(causal[0], bwd_tile_major=False) in causal
+    assert len(set(causal)) == len(causal) and any(c.bwd_fused for c in major)
     assert not any(c.bwd_tile_major for c in IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions())))
 
 

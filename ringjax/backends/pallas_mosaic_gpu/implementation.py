@@ -253,22 +253,41 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
                                  persistent=may_skip(problem.opts))
     else:
         config = MosaicGpuConfig()
-        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True)
-        if _recomputes_heavily(problem) and fused_bwd.split_bwd_reason(problem.opts, *problem.head_dims,
-                                                                       problem.itemsize) is None:
-            # the split backward computes P twice, once per kernel; the fused one once. Fused over split fwd+bwd
-            # on 1 H200 (jax 0.11.2, 2026-12-01, 8K / 32K causal): dropout 1.05 / 1.12, soft cap 1.01 / 1.08
-            # (checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd); masks that skip blocks ran 0.68-0.95 there
+        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True, bwd_dq_first=not problem.opts.causal)
+        if _fuses_backward(problem) and fused_bwd.split_bwd_reason(problem.opts, *problem.head_dims,
+                                                                   problem.itemsize) is None:
             config = fused_bwd
+    if problem.opts.causal and _skips_causal_only(problem.opts) and problem.seq <= TILE_MAJOR_SEQ and widest <= 128:
+        config = dataclasses.replace(config, bwd_tile_major=True)
     return dataclasses.replace(config, fused=True) if fuses_ring(problem) else config
 
 
-def _recomputes_heavily(problem: Problem) -> bool:
-    """Whether a head_dim-128 call's probabilities cost much per score (dropout's hash, the soft cap's tanh) and
-    its mask skips no block but the causal ones."""
+# causal shards up to this long start the backward's CTAs longest first (`MosaicGpuConfig.bwd_tile_major`): head by
+# head, the last head's heaviest tiles start last. Tile-major over head-major fwd+bwd at 8K causal (1 H200, jax
+# 0.11.2, 2026-12-02, checks/nvidia-h200_2026-12-02_step_tile_major): head_dim 64 1.11x, 128 1.05-1.07x (4K
+# 1.20-1.24x; 16K 0.99x), 256 0.99x
+TILE_MAJOR_SEQ = 8192
+
+
+def _fuses_backward(problem: Problem) -> bool:
+    """Whether a head_dim-128 call's heuristic backward is the fused one: where its mask skips no block but the
+    causal ones and no sink tokens are visited, unless it is a causal shard of at most `TILE_MAJOR_SEQ`, where the
+    split kernels in tile-major order are as fast (1 H200, jax 0.11.2, 2026-12-02, fwd+bwd ms split / fused: 4K
+    1.03-1.07 / 1.06-1.08, 8K 3.95-4.03 / 3.99-4.00; 16K head-major 15.65-15.69 / 14.95-14.97). Dropout's hash and
+    the soft cap's tanh fuse at every length: the split backward computes P twice, once per kernel (fused over split
+    fwd+bwd at 8K / 32K causal: dropout 1.05 / 1.12, soft cap 1.01 / 1.08; checks/nvidia-h200_2026-12-01_coverage_*
+    _fused_bwd). Masks that skip blocks ran the fused backward at 0.68-0.95 of the split one there."""
     opts = problem.opts
-    return (problem.head_dims == (128, 128) and (opts.dropout_rate > 0 or opts.logits_soft_cap is not None)
-            and not may_skip(dataclasses.replace(opts, causal=False)) and not opts.num_sink_tokens)
+    if problem.head_dims != (128, 128) or not _skips_causal_only(opts):
+        return False
+    heavy = opts.dropout_rate > 0 or opts.logits_soft_cap is not None
+    return heavy or not opts.causal or problem.seq > TILE_MAJOR_SEQ
+
+
+def _skips_causal_only(opts) -> bool:
+    """Whether no block pair but causal ones can be empty, and no sink tokens are visited (their rows' work is
+    the causal triangle's)."""
+    return not may_skip(dataclasses.replace(opts, causal=False)) and not opts.num_sink_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,13 +333,13 @@ class PallasMosaicGpuImplementation:
             if fused_bwd not in out and fused_bwd.split_bwd_reason(
                     problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None:
                 out += [fused_bwd, dataclasses.replace(fused_bwd, bwd_dq_first=True)]
-        # a causal mask gives the first row tiles the most work: the backward's CTAs longest first
-        # (`bwd_tile_major`; predicted, docs/performance.md), beside the heuristic's and its fused backward
+        # a causal mask gives the first row tiles the most work: the backward's CTAs in both orders, head by head
+        # and longest first (`bwd_tile_major`, docs/performance.md), for the heuristic's and the fused backwards
         if problem.opts.causal:
             for cfg in out[:1] + [c for c in out if c.bwd_fused]:
-                major = dataclasses.replace(cfg, bwd_tile_major=True)
-                if major not in out:
-                    out.append(major)
+                flipped = dataclasses.replace(cfg, bwd_tile_major=not cfg.bwd_tile_major)
+                if flipped not in out:
+                    out.append(flipped)
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
