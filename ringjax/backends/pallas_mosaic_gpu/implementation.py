@@ -272,11 +272,13 @@ TILE_MAJOR_SEQ = 8192
 def _fuses_backward(problem: Problem) -> bool:
     """Whether a head_dim-128 call's heuristic backward is the fused one: where its mask skips no block but the
     causal ones and no sink tokens are visited, unless it is a causal shard of at most `TILE_MAJOR_SEQ`, where the
-    split kernels in tile-major order are as fast (1 H200, jax 0.11.2, 2026-12-02, fwd+bwd ms split / fused: 4K
-    1.03-1.07 / 1.06-1.08, 8K 3.95-4.03 / 3.99-4.00; 16K head-major 15.65-15.69 / 14.95-14.97). Dropout's hash and
-    the soft cap's tanh fuse at every length: the split backward computes P twice, once per kernel (fused over split
-    fwd+bwd at 8K / 32K causal: dropout 1.05 / 1.12, soft cap 1.01 / 1.08; checks/nvidia-h200_2026-12-01_coverage_*
-    _fused_bwd). Masks that skip blocks ran the fused backward at 0.68-0.95 of the split one there."""
+    split kernels in tile-major order are as fast. fwd+bwd ms split / fused (1 H200, jax 0.11.2, 2026-12-02,
+    checks/nvidia-h200_2026-12-02_step_tile_major and _step_fused_not_causal): causal 4K 1.03-1.07 / 1.06-1.08,
+    8K 3.95-4.03 / 3.99-4.00, 16K (head by head) 15.65-15.69 / 14.95-14.97; not causal (dQ first) 4K 1.82-1.96 /
+    1.83-1.84, 16K 30.8-30.9 / 28.4-28.5. Dropout's hash and the soft cap's tanh fuse at every length: the split
+    backward computes P twice, once per kernel (fused over split fwd+bwd at 8K / 32K causal: dropout 1.05 / 1.12,
+    soft cap 1.01 / 1.08; checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd). Masks that skip blocks ran the fused
+    backward at 0.68-0.95 of the split one there."""
     opts = problem.opts
     if problem.head_dims != (128, 128) or not _skips_causal_only(opts):
         return False
