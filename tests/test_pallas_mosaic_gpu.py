@@ -370,6 +370,36 @@ def test_step_backward_tile_major(config):
                 config=dataclasses.replace(config, bwd_tile_major=True), **kw)
 
 
+@needs_kernels
+@pytest.mark.parametrize("shard, src, kw", [
+    (1, 1, dict(causal=True, logits_soft_cap=5.0)),  # the diagonal: masked tiles
+    (1, 0, dict(causal=True, window=(40, 0))),  # most rows of the visited tile see no key
+])
+def test_step_forward_exp2_on_fma(shard, src, kw):
+    """The forward's second consumer computing exp2 by a cubic (`fwd_exp2_fma`): the same output, lse and
+    gradients; masked scores exactly zero, rows that see no key empty."""
+    _check_step("contiguous", 2, shard, src, 128, "bfloat16", 64, 4, 2,
+                config=dataclasses.replace(SMALL, fwd_exp2_fma=True), **kw)
+
+
+def test_candidates_try_exp2_on_fma_with_a_soft_cap():
+    capped = IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions(causal=True, logits_soft_cap=30.0)))
+    assert dataclasses.replace(capped[0], fwd_exp2_fma=True) in capped and not capped[0].fwd_exp2_fma
+    assert not any(c.fwd_exp2_fma for c in IMPLEMENTATION.candidate_configs(_problem()))
+
+
+def test_exp2_on_fma_is_exp2():
+    """`kernels._exp2_fma` against exp2 in float64: within 1.1e-4 relative down to 2**-125; -inf gives 0 where
+    masked."""
+    from ringjax.backends.pallas_mosaic_gpu.kernels import _exp2_fma
+
+    x = np.concatenate([np.random.default_rng(0).uniform(-125, 0, 4096), [0.0, -0.5, 0.5, -124.5]]).astype(np.float32)
+    got = np.asarray(_exp2_fma(jnp.asarray(x)), np.float64)
+    np.testing.assert_allclose(got, np.exp2(x.astype(np.float64)), rtol=1.1e-4, atol=0)
+    inf = jnp.asarray([-jnp.inf, -200.0], jnp.float32)
+    assert np.asarray(_exp2_fma(inf, masked=True))[0] == 0.0 and 0 < np.asarray(_exp2_fma(inf))[1] < 1e-37
+
+
 @pytest.mark.parametrize("head_dim, seq, kw, fused, dq_first, tile_major", [
     (128, 8192, dict(causal=True), False, False, True),
     (128, 4096, dict(causal=True), False, False, True),
@@ -1037,6 +1067,28 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg, out_dtype=q.dtype))
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 6
+
+
+@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
+def test_forward_exp2_on_fma_lowers_for_cuda():
+    """The forward whose consumers branch on their index around exp2 (`fwd_exp2_fma`: a cond over register
+    arrays) lowers for CUDA."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
+
+    if _jax_refusal():
+        pytest.skip(_jax_refusal())
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_fwd
+
+    t, d = 256, 128
+    opts = AttentionOptions(softmax_scale=0.1, causal=True, logits_soft_cap=30.0)
+    cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d)), fwd_exp2_fma=True)
+
+    def f(q, k, v, do, lse, delta, seg):
+        pos = jnp.arange(t, dtype=jnp.int32)
+        return block_fwd(q, k, v, TokenInfo(pos, None, pos[None]), TokenInfo(pos, None, pos[None]), Extras(), opts,
+                         cfg)
+
+    assert _mosaic_calls_lowered_for_cuda(f, t, d, d) == 1
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
