@@ -382,12 +382,6 @@ def test_step_forward_exp2_on_fma(shard, src, kw):
                 config=dataclasses.replace(SMALL, fwd_exp2_fma=True), **kw)
 
 
-def test_candidates_try_exp2_on_fma_with_a_soft_cap():
-    capped = IMPLEMENTATION.candidate_configs(_problem(opts=AttentionOptions(causal=True, logits_soft_cap=30.0)))
-    assert dataclasses.replace(capped[0], fwd_exp2_fma=True) in capped and not capped[0].fwd_exp2_fma
-    assert not any(c.fwd_exp2_fma for c in IMPLEMENTATION.candidate_configs(_problem()))
-
-
 def test_exp2_on_fma_is_exp2():
     """`kernels._exp2_fma` against exp2 in float64: within 1.1e-4 relative down to 2**-125; -inf gives 0 where
     masked."""

@@ -342,10 +342,6 @@ class PallasMosaicGpuImplementation:
                 flipped = dataclasses.replace(cfg, bwd_tile_major=not cfg.bwd_tile_major)
                 if flipped not in out:
                     out.append(flipped)
-        # a soft cap's tanh shares the MUFU unit with exp2: the heuristic's config with one consumer's exp2 on the
-        # FMA units (`fwd_exp2_fma`; not yet measured)
-        if problem.opts.logits_soft_cap is not None:
-            out.append(dataclasses.replace(out[0], fwd_exp2_fma=True))
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
