@@ -1030,13 +1030,15 @@ def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("kw", [
-    dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
-    dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
-    dict(has_segments=True),  # a mask of segment ids only: tiles build no positions (layout inference)
+@pytest.mark.parametrize("kw, config", [
+    (dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True), {}),
+    (dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4), {}),
+    (dict(has_segments=True), {}),  # a mask of segment ids only: tiles build no positions (layout inference)
+    # consumers that branch on their index around exp2: a cond over register arrays
+    (dict(causal=True, logits_soft_cap=30.0), dict(fwd_exp2_fma=True)),
 ])
 @pytest.mark.parametrize("d", [96, 128, 256, (192, 128), (64, 256)])  # (q/k head_dim, v head_dim)
-def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
+def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, config, d):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -1053,7 +1055,7 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
         pos = jnp.arange(t, dtype=jnp.int32)
         qi = TokenInfo(pos, seg, pos[None])
         ki = TokenInfo(pos - t, seg, pos[None] - t)
-        cfg = IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv))
+        cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), **config)
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg),
                 # final results: bf16
@@ -1061,28 +1063,6 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg, out_dtype=q.dtype))
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 6
-
-
-@pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-def test_forward_exp2_on_fma_lowers_for_cuda():
-    """The forward whose consumers branch on their index around exp2 (`fwd_exp2_fma`: a cond over register
-    arrays) lowers for CUDA."""
-    from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
-
-    if _jax_refusal():
-        pytest.skip(_jax_refusal())
-    from ringjax.backends.pallas_mosaic_gpu.kernels import block_fwd
-
-    t, d = 256, 128
-    opts = AttentionOptions(softmax_scale=0.1, causal=True, logits_soft_cap=30.0)
-    cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d)), fwd_exp2_fma=True)
-
-    def f(q, k, v, do, lse, delta, seg):
-        pos = jnp.arange(t, dtype=jnp.int32)
-        return block_fwd(q, k, v, TokenInfo(pos, None, pos[None]), TokenInfo(pos, None, pos[None]), Extras(), opts,
-                         cfg)
-
-    assert _mosaic_calls_lowered_for_cuda(f, t, d, d) == 1
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
