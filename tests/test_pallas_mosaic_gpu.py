@@ -370,30 +370,6 @@ def test_step_backward_tile_major(config):
                 config=dataclasses.replace(config, bwd_tile_major=True), **kw)
 
 
-@needs_kernels
-@pytest.mark.parametrize("shard, src, kw", [
-    (1, 1, dict(causal=True, logits_soft_cap=5.0)),  # the diagonal: masked tiles
-    (1, 0, dict(causal=True, window=(40, 0))),  # most rows of the visited tile see no key
-])
-def test_step_forward_exp2_on_fma(shard, src, kw):
-    """The forward's second consumer computing exp2 by a cubic (`fwd_exp2_fma`): the same output, lse and
-    gradients; masked scores exactly zero, rows that see no key empty."""
-    _check_step("contiguous", 2, shard, src, 128, "bfloat16", 64, 4, 2,
-                config=dataclasses.replace(SMALL, fwd_exp2_fma=True), **kw)
-
-
-def test_exp2_on_fma_is_exp2():
-    """`kernels._exp2_fma` against exp2 in float64: within 1.1e-4 relative down to 2**-125; -inf gives 0 where
-    masked."""
-    from ringjax.backends.pallas_mosaic_gpu.kernels import _exp2_fma
-
-    x = np.concatenate([np.random.default_rng(0).uniform(-125, 0, 4096), [0.0, -0.5, 0.5, -124.5]]).astype(np.float32)
-    got = np.asarray(_exp2_fma(jnp.asarray(x)), np.float64)
-    np.testing.assert_allclose(got, np.exp2(x.astype(np.float64)), rtol=1.1e-4, atol=0)
-    inf = jnp.asarray([-jnp.inf, -200.0], jnp.float32)
-    assert np.asarray(_exp2_fma(inf, masked=True))[0] == 0.0 and 0 < np.asarray(_exp2_fma(inf))[1] < 1e-37
-
-
 @pytest.mark.parametrize("head_dim, seq, kw, fused, dq_first, tile_major", [
     (128, 8192, dict(causal=True), False, False, True),
     (128, 4096, dict(causal=True), False, False, True),
@@ -1030,15 +1006,13 @@ def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("kw, config", [
-    (dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True), {}),
-    (dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4), {}),
-    (dict(has_segments=True), {}),  # a mask of segment ids only: tiles build no positions (layout inference)
-    # consumers that branch on their index around exp2: a cond over register arrays
-    (dict(causal=True, logits_soft_cap=30.0), dict(fwd_exp2_fma=True)),
+@pytest.mark.parametrize("kw", [
+    dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
+    dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
+    dict(has_segments=True),  # a mask of segment ids only: tiles build no positions (layout inference)
 ])
 @pytest.mark.parametrize("d", [96, 128, 256, (192, 128), (64, 256)])  # (q/k head_dim, v head_dim)
-def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, config, d):
+def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -1055,7 +1029,7 @@ def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, config, d):
         pos = jnp.arange(t, dtype=jnp.int32)
         qi = TokenInfo(pos, seg, pos[None])
         ki = TokenInfo(pos - t, seg, pos[None] - t)
-        cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), **config)
+        cfg = IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv))
         return (block_fwd(q, k, v, qi, ki, extras, opts, cfg),
                 block_bwd(q, k, v, do, lse, delta, qi, ki, extras, opts, cfg),
                 # final results: bf16

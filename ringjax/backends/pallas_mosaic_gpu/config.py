@@ -63,13 +63,10 @@ class MosaicGpuConfig(KernelConfig):
     order their work themselves); under a causal mask the first tiles are the heaviest, so this is the
     longest-first order: fwd+bwd 1.05-1.07x at 8K causal, 1.2-1.4x at 4K, 1-2% slower at 16K and at head_dim
     256 (1 H200, docs/performance.md); the heuristic sets it on causal shards up to 8K
-    (`implementation.TILE_MAJOR_SEQ`). `fwd_exp2_fma`: the forward's second consumer warpgroup computes its exp2 by
-    a cubic on the FMA units (`kernels._exp2_fma`, relative error 1e-4), the first on the MUFU unit: with a soft cap
-    each score also takes a tanh there, and at head_dim 128 two MUFU operations a score take as long as the tensor
-    cores' work on it; not yet measured on a GPU, default off. `fused`: the forward ring as one kernel per call that
-    copies the other devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while
-    it computes on its own, instead of a kernel per ring step with ppermutes between them; the backward's dK/dV
-    likewise one kernel that also stores the other sources' float32 partials into their
+    (`implementation.TILE_MAJOR_SEQ`). `fused`: the forward ring as one kernel per call that copies the other
+    devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it computes
+    on its own, instead of a kernel per ring step with ppermutes between
+    them; the backward's dK/dV likewise one kernel that also stores the other sources' float32 partials into their
     owners' slots (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
     source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not O(sequence /
     devices)); the ring axis must span every device. The heuristic config (what `auto` runs untuned) sets it where
@@ -93,7 +90,6 @@ class MosaicGpuConfig(KernelConfig):
     bwd_fused: bool = False
     bwd_dq_first: bool = False
     bwd_tile_major: bool = False
-    fwd_exp2_fma: bool = False
     fused: bool = False
     persistent: bool = True
     interpret: bool = False

@@ -638,29 +638,6 @@ def _stream_kv(b, kvh, span: _Span, bk: int, stages: int, refs, smem, loaded, fr
         _drain(span.steps, stages, *free)
 
 
-# 2**f on [-1/2, 1/2] as 1 + f (c1 + f (c2 + f c3)), c fitted for least maximum relative error (1.0e-4, under
-# bf16's 3.9e-3 half ulp)
-_EXP2_POLY = (0.6932829, 0.24221037, 0.055008581)
-_ROUNDER = 12582912.0  # 1.5 * 2**23: x + this rounds x to an integer, which lands in the mantissa's low bits
-
-
-def _exp2_fma(x, masked: bool = False):
-    """exp2 on the FMA and integer units instead of the MUFU unit (which the soft cap's tanh shares with exp2):
-    2**x = 2**j * 2**f with j = round(x), f = x - j, 2**f a cubic and 2**j added to its exponent field. 9 operations
-    where exp2 is one MUFU operation. x is clamped at -125, so that 2**j stays a normal number: below, and at
-    -inf, it gives 2**-125, not 0; `masked`: -inf (a masked score) gives 0, as exp2 does."""
-    clamped = jnp.maximum(x, -125.0)
-    t = clamped + _ROUNDER
-    f = clamped - (t - _ROUNDER)
-    c1, c2, c3 = _EXP2_POLY
-    poly = 1.0 + f * (c1 + f * (c2 + f * c3))
-    # t's low mantissa bits hold j (two's complement above 2**22): shifted into the exponent field, the rest of
-    # t's bits shift out
-    j_bits = lax.shift_left(lax.bitcast_convert_type(t, jnp.int32), jnp.int32(23))
-    y = lax.bitcast_convert_type(lax.bitcast_convert_type(poly, jnp.int32) + j_bits, jnp.float32)
-    return jnp.where(x == -jnp.inf, 0.0, y) if masked else y
-
-
 def _keep_scale(opts) -> float:
     """Kept probabilities are scaled by 1 / (1 - rate) (dropout's expectation)."""
     return 1.0 / (1.0 - opts.dropout_rate)
@@ -756,7 +733,7 @@ def _send_kv(ring: _Ring, kv_refs, recv_refs, smem, loaded, sem, cid):
 
 
 def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, ring: _Ring | None = None,
-                persist: _Persist | None = None, exp2_fma: bool = False):
+                persist: _Persist | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, rng_ref, qstart_ref, kstart_ref = r.take(6)
     qseg_ref, kseg_ref = r.take(2, has_seg)
@@ -858,11 +835,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
                         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
                         alpha = jnp.exp2(m - m_use)
-                        x = s * scale - lax.broadcast_in_dim(m_use, s.shape, [0])
-                        if exp2_fma:  # the second consumer's exp2 on the FMA units (`MosaicGpuConfig.fwd_exp2_fma`)
-                            p = lax.cond(wg == 1, functools.partial(_exp2_fma, masked=kind == "masked"), jnp.exp2, x)
-                        else:
-                            p = jnp.exp2(x)
+                        p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                         row_sum = row_sum * alpha + p.sum(axis=1)  # dropout leaves the normaliser whole
                         keep = mods.keep(opts, pos, True) if opts.dropout_rate > 0 else None
@@ -1105,7 +1078,7 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     out_type = [_compat.struct_like((b, t, h, dv), out_dtype, args[0]),
                 _compat.struct_like((b, h, t), jnp.float32, args[0])]
     grid = (h // 2 if walk.pair_heads else h, walk.n_ctas, b)
-    static = {"exp2_fma": config.fwd_exp2_fma}
+    static = {}
     if ring is not None:
         static["ring"] = _make_ring(ring, len(k_infos), b, "q")
         # the receive slots: one per source but this device's own
