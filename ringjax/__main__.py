@@ -206,6 +206,7 @@ def _cmd_tune(args) -> int:
 
     settings = autotuning.TuneSettings(
         warmup=args.warmup, repeats=args.repeats, backward=not args.forward_only, progress=not args.no_progress,
+        rounds=args.rounds, back_to_back=args.back_to_back,
     )
     result = autotuning.tune_shapes(
         batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -505,7 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_feature_flags(p)
     p.add_argument("--implementation", default="auto")
     p.add_argument("--forward-only", action="store_true", help="time the forward pass only (inference)")
-    p.add_argument("--repeats", type=_positive_int, default=5)
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per candidate and round")
+    p.add_argument("--rounds", type=_positive_int, default=3,
+                   help="rounds over all candidates in turn; the median of all runs is kept (default 3)")
+    p.add_argument("--back-to-back", type=_positive_int, default=1,
+                   help="calls per timed run without a host sync between them, as a training step runs them")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=_cmd_tune)

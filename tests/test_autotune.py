@@ -26,7 +26,7 @@ from harness import check_against_reference, make_inputs, mesh_of, reference_for
 
 ROOT = Path(__file__).resolve().parents[1]
 BROKEN = object()  # a candidate that fails while compiling (it has no block sizes)
-QUICK = autotuning.TuneSettings(warmup=1, repeats=2, backward=False, progress=False)
+QUICK = autotuning.TuneSettings(warmup=1, repeats=2, backward=False, progress=False, rounds=1)
 
 
 @pytest.fixture(autouse=True)
@@ -52,20 +52,24 @@ def candidates(monkeypatch):
 
 @pytest.fixture
 def measured(monkeypatch):
-    """Record what every timing call receives, and whether a trace was active around it."""
-    calls = []
-    original = autotuning.measure
+    """Record what every candidate's first timed runs receive, and whether a trace was active around them (one
+    record per compiled candidate, whatever `TuneSettings.rounds`)."""
+    calls, seen = [], set()
+    original = autotuning._timed_runs
 
     def spy(compiled, args, settings):
-        leaves = jax.tree.leaves(args)
-        calls.append({
-            "tracer_args": any(isinstance(a, jax.core.Tracer) for a in leaves),
-            "concrete_args": all(isinstance(a, jax.Array) for a in leaves),
-            "tracing": isinstance(jnp.zeros(()), jax.core.Tracer),  # true inside any trace of this thread
-        })
+        if id(compiled) not in seen:
+            seen.add(id(compiled))
+            leaves = jax.tree.leaves(args)
+            calls.append({
+                "tracer_args": any(isinstance(a, jax.core.Tracer) for a in leaves),
+                "concrete_args": all(isinstance(a, jax.Array) for a in leaves),
+                "tracing": isinstance(jnp.zeros(()), jax.core.Tracer),  # true inside any trace of this thread
+                "compiled": compiled,  # held, so that its id stays its own
+            })
         return original(compiled, args, settings)
 
-    monkeypatch.setattr(autotuning, "measure", spy)
+    monkeypatch.setattr(autotuning, "_timed_runs", spy)
     return calls
 
 
@@ -259,6 +263,8 @@ def test_tune_settings_validated():
         autotuning.TuneSettings(backward=1)
     with pytest.raises(ValueError, match="back_to_back must be an int >= 1"):
         autotuning.TuneSettings(back_to_back=0)
+    with pytest.raises(ValueError, match="rounds must be an int >= 1"):
+        autotuning.TuneSettings(rounds=0)
     with pytest.raises(TypeError, match="TuneSettings"):
         ringjax.autotune(lambda: None, autotune_settings={"repeats": 3})
     for empty in (0, {}):  # falsy, not None: not quietly the defaults
@@ -279,6 +285,28 @@ def test_cli_tune(candidates, capsys):
     assert 'best: {"block_kv": 8, "block_q": 8}' in out
     tuned = dataclasses.replace(_problem(causal=True, axis_name="sp", axis_size=2), platform=jax.default_backend())
     assert cache.lookup("ring_attention", "xla", tuned.resolved())
+
+
+def test_candidates_are_timed_in_turn_over_rounds():
+    """Every candidate warmed up, then `repeats` runs of each in turn per round; the median over all rounds
+    kept; one that fails at run time leaves with its error, one that did not compile (None) is not called."""
+    calls = []
+
+    def candidate(name, fail_on=None):
+        def compiled(x):
+            calls.append(name)
+            if fail_on is not None and calls.count(name) == fail_on:
+                raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+            return jnp.sin(jnp.asarray(x))
+        return compiled
+
+    settings = autotuning.TuneSettings(warmup=1, repeats=2, rounds=3)
+    out = autotuning.measure_interleaved([candidate("a"), None, candidate("b", fail_on=4)], (1.0,), settings)
+    # warm-up a, b; round 1 a a b b; round 2 a a b (b fails on its 4th call); round 3 a a
+    assert calls == ["a", "b", "a", "a", "b", "b", "a", "a", "b", "a", "a"]
+    assert out[0][0] > 0 and out[0][1] is None
+    assert out[1] == (None, None)
+    assert out[2][0] is None and out[2][1].startswith("run: RuntimeError: RESOURCE_EXHAUSTED")
 
 
 def test_measure_times_calls_back_to_back():

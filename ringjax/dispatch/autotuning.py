@@ -24,7 +24,7 @@ import statistics
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ringjax.dispatch import cache, registry
@@ -59,9 +59,14 @@ class TuneSettings:
     # calls per timed run, dispatched without a host sync between them as a training step runs them; the time per
     # call is kept (1: each call waited for, which adds the host's dispatch and wait, about 0.2 ms on an H200)
     back_to_back: int = 1
+    # the tuner times its candidates in this many rounds, each candidate once per round in turn, and keeps the
+    # median of all their runs: the GPU's clocks ramp and drift over minutes, and timed one after another the
+    # first candidate ran cold (one H200, 2026-12-02: the heuristic's config, timed first, read 7% slower than one
+    # the step benchmark then timed the same)
+    rounds: int = 3
 
     def __post_init__(self):
-        for name, least in (("warmup", 0), ("repeats", 1), ("back_to_back", 1)):
+        for name, least in (("warmup", 0), ("repeats", 1), ("back_to_back", 1), ("rounds", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"TuneSettings.{name} must be an int >= {least}, got {value!r}")
@@ -250,16 +255,51 @@ def timed_step(run, call, backward: bool):
 
 def measure(compiled, args, settings: TuneSettings) -> float:
     """Median seconds per call of `repeats` timed runs of `back_to_back` calls each, after `warmup` calls."""
+    _warm(compiled, args, settings)
+    return statistics.median(_timed_runs(compiled, args, settings))
+
+
+def _warm(compiled, args, settings: TuneSettings) -> None:
     import jax
 
     for _ in range(settings.warmup):
         jax.block_until_ready(compiled(*args))
+
+
+def _timed_runs(compiled, args, settings: TuneSettings) -> list[float]:
+    """Seconds per call of `repeats` timed runs of `back_to_back` calls each."""
+    import jax
+
     times = []
     for _ in range(settings.repeats):
         start = time.perf_counter()
         jax.block_until_ready([compiled(*args) for _ in range(settings.back_to_back)])
         times.append((time.perf_counter() - start) / settings.back_to_back)
-    return statistics.median(times)
+    return times
+
+
+def measure_interleaved(compiled: Sequence, args, settings: TuneSettings,
+                        bar=None) -> list[tuple[float | None, str | None]]:
+    """(median seconds per call, None) or (None, error) for each of `compiled` (None: did not compile; left
+    out): every one warmed up, then timed `repeats` runs per round in `rounds` rounds, in turn, so that what
+    drifts over the measurement spreads over all of them; a candidate that fails at run time leaves."""
+    runs: list[list[float]] = [[] for _ in compiled]
+    errors: list[str | None] = [None] * len(compiled)
+    for round_ in range(-1, settings.rounds):  # round -1: the warm-up
+        if bar is not None:
+            bar.set_postfix_str("warm-up" if round_ < 0 else f"round {round_ + 1}/{settings.rounds}")
+        for i, fn in enumerate(compiled):
+            if fn is None or errors[i] is not None:
+                continue
+            try:
+                if round_ < 0:
+                    _warm(fn, args, settings)
+                else:
+                    runs[i] += _timed_runs(fn, args, settings)
+            except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED at run time
+                errors[i] = "run: " + short_error(e)
+    return [(None, err) if err is not None else (statistics.median(r) if r else None, None)
+            for r, err in zip(runs, errors)]
 
 
 def short_error(e: BaseException) -> str:
@@ -305,23 +345,24 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
         args = placed_stand_ins(run_problem, mesh, problem.opts.axis_name, n)
     else:
         args = tuple(None if a is None else jax.device_put(a, devices[0]) for a in _stand_ins(run_problem, n))
-    timings = []
-    for candidate in impl.candidate_configs(run_problem):
+    candidates = impl.candidate_configs(run_problem)
+    compiled: list = []
+    compile_errors: list[str | None] = []
+    for candidate in candidates:  # all compiled first, then timed in interleaved rounds (`TuneSettings.rounds`)
         try:
             step = timed_step(
                 functools.partial(registry.run_per_device, impl, run_problem, candidate), _call_of(run_problem, mesh),
                 settings.backward)
-            compiled = jax.jit(step).lower(*args).compile()
+            compiled.append(jax.jit(step).lower(*args).compile())
+            compile_errors.append(None)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile is skipped
-            timings.append((candidate, None, "compile: " + short_error(e)))
-        else:
-            try:
-                timings.append((candidate, measure(compiled, args, settings), None))
-            except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED at run time
-                timings.append((candidate, None, "run: " + short_error(e)))
-            del compiled
-        if bar is not None:
+            compiled.append(None)
+            compile_errors.append("compile: " + short_error(e))
+        if bar is not None:  # the bar counts compiled candidates; the rounds show in its postfix
             bar.update(1)
+    measured = measure_interleaved(compiled, args, settings, bar)
+    timings = [(c, None, why) if why is not None else (c, *m)
+               for c, why, m in zip(candidates, compile_errors, measured)]
     return timings, n, proxy
 
 
