@@ -375,6 +375,9 @@ def test_step_backward_tile_major(config):
     (128, 4096, dict(causal=True), False, False, True),
     (128, 16384, dict(causal=True), True, False, False),
     (128, 8192, dict(), True, True, False),
+    (128, 2048, dict(), True, True, False),
+    (128, 1024, dict(), False, False, False),
+    (128, 1024, dict(logits_soft_cap=30.0), True, True, False),
     (128, 8192, dict(causal=True, dropout_rate=0.1), True, False, True),
     (128, 8192, dict(causal=True, window=(1024, 0)), False, False, False),
     (64, 8192, dict(causal=True), True, False, True),
@@ -383,7 +386,7 @@ def test_step_backward_tile_major(config):
 def test_heuristic_backward_follows_length_and_head_dim(head_dim, seq, kw, fused, dq_first, tile_major):
     """The heuristic's backward (what `auto` runs without a tuned entry): causal shards up to 8K in tile-major
     order at head_dims up to 128; at head_dim 128 the fused backward where the mask skips only causal blocks, but
-    on short causal shards, where the split kernels are as fast; dQ first where not causal."""
+    on short causal shards, where the split kernels are as fast, and below 2K tokens; dQ first where not causal."""
     config = IMPLEMENTATION.default_config(_problem(head_dim=head_dim, seq=seq, opts=AttentionOptions(**kw)))
     assert (config.bwd_fused, config.bwd_dq_first, config.bwd_tile_major) == (fused, dq_first, tile_major)
 

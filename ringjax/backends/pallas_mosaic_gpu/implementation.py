@@ -268,11 +268,20 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
 # 1.20-1.24x; 16K 0.99x), 256 0.99x
 TILE_MAJOR_SEQ = 8192
 
+# shorter head_dim-128 shards without a mask keep the split backward: the fused one has a CTA per KV head and
+# 128-key tile, 64 at 1K with 8 KV heads for 132 SMs, where the split dQ kernel spreads over the query heads.
+# fwd+bwd ms at 1K not causal, 5 calls back to back, with cuDNN in the same process as the control (1 H200, jax
+# 0.11.2): split 0.245 (2026-11-29, cuDNN 0.214-0.225), fused 0.297 (2026-12-02, cuDNN 0.219); at 2K fused 0.523
+# against split 0.558, cuDNN 0.590 both days (checks/nvidia-h200_2026-11-29_step_short_back_to_back,
+# results/nvidia-h200_2026-11-29_step, checks/nvidia-h200_2026-12-02_step_1k_to_32k)
+FUSED_MIN_SEQ = 2048
+
 
 def _fuses_backward(problem: Problem) -> bool:
     """Whether a head_dim-128 call's heuristic backward is the fused one: where its mask skips no block but the
     causal ones and no sink tokens are visited, unless it is a causal shard of at most `TILE_MAJOR_SEQ`, where the
-    split kernels in tile-major order are as fast. fwd+bwd ms split / fused (1 H200, jax 0.11.2, 2026-12-02,
+    split kernels in tile-major order are as fast, or shorter than `FUSED_MIN_SEQ`. fwd+bwd ms split / fused
+    (1 H200, jax 0.11.2, 2026-12-02,
     checks/nvidia-h200_2026-12-02_step_tile_major and _step_fused_not_causal): causal 4K 1.03-1.07 / 1.06-1.08,
     8K 3.95-4.03 / 3.99-4.00, 16K (head by head) 15.65-15.69 / 14.95-14.97; not causal (dQ first) 4K 1.82-1.96 /
     1.83-1.84, 16K 30.8-30.9 / 28.4-28.5. Dropout's hash and the soft cap's tanh fuse at every length: the split
@@ -283,7 +292,7 @@ def _fuses_backward(problem: Problem) -> bool:
     if problem.head_dims != (128, 128) or not _skips_causal_only(opts):
         return False
     heavy = opts.dropout_rate > 0 or opts.logits_soft_cap is not None
-    return heavy or not opts.causal or problem.seq > TILE_MAJOR_SEQ
+    return heavy or (problem.seq >= FUSED_MIN_SEQ and (not opts.causal or problem.seq > TILE_MAJOR_SEQ))
 
 
 def _skips_causal_only(opts) -> bool:
