@@ -273,13 +273,18 @@ def test_tune_settings_validated():
 
 
 @pytest.mark.matmul_precision(None)  # the child process and the CLI key the cache at jax's own precision
-def test_cli_tune(candidates, capsys):
+def test_cli_tune(candidates, capsys, monkeypatch):
     from ringjax.__main__ import main
 
     candidates(XlaConfig(8, 8), BROKEN)
+    used = []
+    original = autotuning.measure_interleaved
+    monkeypatch.setattr(autotuning, "measure_interleaved", lambda *a, **k: used.append(a[2]) or original(*a, **k))
     argv = ["tune", "--batch", "1", "--seq", "32", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
-            "--axis-size", "2", "--causal", "--dtype", "float32", "--forward-only", "--repeats", "1", "--no-progress"]
+            "--axis-size", "2", "--causal", "--dtype", "float32", "--forward-only", "--repeats", "1", "--no-progress",
+            "--rounds", "2", "--back-to-back", "3"]
     assert main(argv) == 0
+    assert [(s.repeats, s.rounds, s.back_to_back, s.backward) for s in used] == [(1, 2, 3, False)]
     out = capsys.readouterr().out
     assert f"jax {jax.__version__}" in out and "ring of 2" in out and "compile: AttributeError" in out
     assert 'best: {"block_kv": 8, "block_q": 8}' in out
