@@ -315,7 +315,7 @@ def step_variants(args, rec: Recorder, case: dict, inputs, flops: float, referen
                 if grads is not None and first_grads is not None:
                     check["grads_vs_default"] = {n: errors(a, b)["rel_err"]
                                                  for n, a, b in zip(("dq", "dk", "dv"), grads, first_grads)}
-            rec.add(row_case, **timing, **check, config=ringjax.config_to_json(config or base))
+            rec.add(row_case, **{**timing, **check, "config": ringjax.config_to_json(config or base)})
 
 
 def run_ring(args, rec: Recorder):
@@ -543,8 +543,8 @@ def run_coverage(args, rec: Recorder):
                 except Exception as e:  # noqa: BLE001 - a variant that fails is a result too
                     rec.add(row_case, error=failure(e))
                     continue
-                rec.add(row_case, **mine, visible=visible, vs_default=ratios(mine, timing),
-                        config=ringjax.config_to_json(config))
+                rec.add(row_case, **{**mine, "visible": visible, "vs_default": ratios(mine, timing),
+                                     "config": ringjax.config_to_json(config)})
         del inputs_by_shape
 
 
@@ -627,10 +627,8 @@ def run_million(args, rec: Recorder):
         except Exception as e:  # noqa: BLE001 - e.g. out of memory
             rec.add(row_case, error=failure(e))
             continue
-        ran = {"config": ringjax.config_to_json(log.reports[-1].config)} if log.reports else {}
         rec.add(row_case, **picked(log), seconds=significant(seconds), first_call_s=significant(first_s, 3),
-                tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check,
-                **ran)
+                tflops_per_device=significant(FWD_BWD * shape.flops(t, True) / n / seconds / 1e12), **memory, **check)
         del inputs, fwd, fwd_bwd
 
 

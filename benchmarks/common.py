@@ -207,11 +207,18 @@ _STRATEGY = re.compile(r"strategy='auto' chose (\w+)")
 
 def picked(messages: list[str]) -> dict:
     """What ringjax logged running: {"implementation": name} ("auto" with a note when none was logged),
-    {"fused": True} when its config ran the fused ring, plus {"chosen": strategy, "reason": the log line}
-    when strategy="auto" chose one."""
+    the "config" it ran and its "config_source" (heuristic, shipped, persistent, ...), {"fused": True} when its
+    config ran the fused ring, plus {"chosen": strategy, "reason": the log line} when strategy="auto" chose one."""
     names = [found.group(1) for found in map(_IMPLEMENTATION.match, messages) if found]
     out = {"implementation": names[0]} if names else {"implementation": "auto",
                                                       "note": "ringjax logged no implementation for this call"}
+    report = messages.reports[-1] if getattr(messages, "reports", None) else None
+    if getattr(report, "config", None) is not None:
+        try:
+            out["config"] = ringjax.config_to_json(report.config)
+        except TypeError:  # a config of an implementation outside ringjax's registry: its repr
+            out["config"] = repr(report.config)
+        out["config_source"] = report.config_source
     if any(_IMPLEMENTATION.match(m) and '"fused": true' in m for m in messages):  # a ring in one kernel per pass
         out["fused"] = True
     for m in messages:

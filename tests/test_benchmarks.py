@@ -72,6 +72,7 @@ def check_step(rows):
     assert sorted(r["case"]["causal"] for r in ours) == [False, True]
     for r in ours:
         assert r["implementation"] == "xla" and r["reference"] == "xla float32"
+        assert r["config"] == {"block_q": 512, "block_kv": 512} and r["config_source"] == "heuristic"  # what ran
         assert r["fwd_tflops"] > 0 and r["fwd_bwd_tflops"] > 0 and "bwd_ms" in r
         assert r["rel_err"] < BF16_ERR
     for r in rows:
