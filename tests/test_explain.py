@@ -205,64 +205,57 @@ def test_held_out_measurements_follow_the_model(path, count):
 
 
 # the H200's calibration rows, timed 5 calls back to back per sample (1 H200, jax 0.11.2, 2026-11-29)
-_H200_COVERAGE = "benchmarks/results/nvidia-h200_2026-11-29_coverage.jsonl"
-_H200_STEPS = ("benchmarks/results/nvidia-h200_2026-11-29_step.jsonl",
-               "benchmarks/results/checks/nvidia-h200_2026-11-29_step_short_back_to_back.jsonl")
+_H200_COVERAGE = "benchmarks/results/nvidia-h200_2026-12-02_coverage.jsonl"
+_H200_STEP = "benchmarks/results/nvidia-h200_2026-12-02_step.jsonl"
+# Triton's rows at 1K to 4K, back to back (its Mosaic rows at 1K are superseded by `_H200_STEP`'s)
+_H200_SHORT = "benchmarks/results/checks/nvidia-h200_2026-11-29_step_short_back_to_back.jsonl"
 # coverage features whose Mosaic backward at head_dim 128 is the fused kernel since 2026-12-01 (the split kernels
-# before): their rows in earlier H200 files time what no longer runs, and the calibration holds the fused times
+# before): their rows in earlier H200 files time what no longer runs
 _FUSED_SINCE = ("dropout", "soft_cap")
-_H200_FEATURES = ("plain", "head_dim=64", "head_dim=96", "head_dim=192", "head_dim=256", "float32", "alibi",
-                  "sink_tokens", "chunked", "segments", "chunked_documents", "window", "learnable_sinks")
 
 
 def test_h200_calibration_follows_calls_run_back_to_back():
-    """The H200's calibration is fitted to calls dispatched back to back, as a training step runs them: every feature
-    and head_dim at 8K and 32K causal (30 rows; dropout's and the soft cap's from their fused runs of 2026-12-01)
-    within 6% forward and forward+backward, and the step suite from 1K
-    to 32K, causal and not (auto's rows and, at 1K to 4K, Mosaic's and Triton's), within 10% forward+backward and
-    forward from 4K (1K and 2K causal forwards read 22% low and 21% high: the 1K causal forward took 0.108 ms, longer
-    than the 2K one's 0.104). Fitted before to calls synced one by one, its Mosaic forward+backward line had 0.48 ms
-    fixed per call, the host's wait, so these 8K masks read 15-25% high and forwards up to 45%."""
-    coverage = [_prediction_errors(_H200_COVERAGE, H200, mode, keep=_H200_FEATURES) for mode in costs.MODES]
-    assert all(len(e) == 26 and max(e) < 0.06 for e in coverage), coverage
-    # dropout and the soft cap at 8K and 32K, fused (`_FUSED_SINCE`): their rows of 2026-12-01, within 6% as well
-    calibration = costs.load(H200)
-    shipped = json.loads(costs.path_for(H200, shipped=True).read_text())["kernels"]
-    fused = [r for r in shipped if r["source"].endswith("2026-12-01_coverage_8k_fused_bwd.jsonl")
-             or r["source"].endswith("2026-12-01_coverage_32k_fused_bwd.jsonl")]
-    assert len(fused) == 4
-    for row in fused:
-        found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
-        assert all(abs(getattr(found, f"{m}_s") * 1e3 / row[f"{m}_ms"] - 1) < 0.06 for m in costs.MODES), row
-    steps = [e for path in _H200_STEPS for e in _prediction_errors(path, H200, seqs=True)]
-    assert len(steps) == 20 and max(e for _, e in steps) < 0.1, steps
-    forwards = [e for path in _H200_STEPS for e in _prediction_errors(path, H200, "fwd", seqs=True)]
-    assert max(e for seq, e in forwards if seq >= 4096) < 0.1 and max(e for _, e in forwards) < 0.25, forwards
+    """The H200's calibration is fitted to calls dispatched back to back, as a training step runs them (jax 0.11.2,
+    2026-12-02): every feature and head_dim at 8K and 32K causal (30 rows) within 5% forward+backward and 12%
+    forward (segments' forwards the farthest: predicted 9% fast at 8K, 12% slow at 32K); the step suite from 1K to
+    32K, causal and not (auto's rows, and Triton's at 1K to 4K of 2026-11-29), within 8% forward+backward, and
+    forward within 8% from 4K and 15% below (the 1K and 2K causal Mosaic forwards, 0.087 and 0.104 ms, predicted
+    12% fast and 14% slow). Fitted before to calls synced one by one, its Mosaic forward+backward line had 0.48 ms fixed per call,
+    the host's wait, so 8K masks read 15-25% high and forwards up to 45%."""
+    coverage = [_prediction_errors(_H200_COVERAGE, H200, mode) for mode in costs.MODES]
+    assert [len(e) for e in coverage] == [30, 30], coverage
+    assert max(coverage[costs.MODES.index("fwd_bwd")]) < 0.05 and max(coverage[costs.MODES.index("fwd")]) < 0.12
+    steps, forwards = ([*_prediction_errors(_H200_STEP, H200, mode, seqs=True),
+                        *_prediction_errors(_H200_SHORT, H200, mode, seqs=True, implementation="pallas_triton")]
+                       for mode in ("fwd_bwd", "fwd"))
+    assert len(steps) == 18 and max(e for _, e in steps) < 0.08, steps
+    assert max(e for seq, e in forwards if seq >= 4096) < 0.08 and max(e for _, e in forwards) < 0.15, forwards
+    # 0.17 ms fixed per call (the 1K calls' launches, their backward split in two kernels), not the host's wait
     line = costs.load(H200).rates_for("pallas_mosaic_gpu", "bfloat16").line(True)
-    assert line.overhead_s["fwd_bwd"] < 1e-4
-    # the 8K cases timed in another process (each implementation auto could run; not fitted): forwards within 9%,
-    # the spread of 0.3 ms calls between runs. Its ALiBi row ran before the kernel went separable (2026-11-29
-    # 11:00 UTC) and is now predicted 7% faster than it ran then.
+    assert line.overhead_s["fwd_bwd"] < 2e-4
+    # the 8K cases timed in another process (2026-11-29, each implementation auto could run; not fitted): forwards
+    # within 14%, chunked documents the farthest (its forward ran 14% slower then than the calibration's)
     again = "benchmarks/results/checks/nvidia-h200_2026-11-29_coverage_candidates_8k.jsonl"
     errors = _prediction_errors(again, H200, "fwd")
-    assert len(errors) == 15 and max(errors) < 0.09, errors
-    (alibi,) = _prediction_errors(again, H200, "fwd", keep=("alibi",), signed=True)
-    assert -0.09 < alibi < -0.03, alibi
+    assert len(errors) == 15 and max(errors) < 0.14, errors
 
 
 def test_h200_short_calls_run_the_kernel_measured_fastest_back_to_back():
-    """1K tokens back to back on one H200: Mosaic 0.220 / 0.245 ms forward+backward causal / not causal, Triton
-    0.309 / 0.290 (`_H200_STEPS`); synced one by one, Triton read faster (0.38 against 0.57 ms), and auto ran it."""
+    """1K tokens back to back on one H200: Mosaic 0.236 / 0.232 ms forward+backward causal / not causal
+    (`_H200_STEP`, the split backward), Triton 0.309 / 0.290 (`_H200_SHORT`); synced one by one, Triton read
+    faster (0.38 against 0.57 ms), and auto ran it."""
     for causal in (True, False):
         problem = dataclasses.replace(_problem(kind=H200, seq=1024), opts=AttentionOptions(causal=causal))
         assert _auto(problem) == "pallas_mosaic_gpu", causal
 
 
 def _prediction_errors(path: str, kind: str = H100, mode: str = "fwd_bwd", candidates: bool = False,
-                       seqs: bool = False, keep: tuple | None = None, signed: bool = False) -> list:
+                       seqs: bool = False, keep: tuple | None = None, signed: bool = False,
+                       implementation: str | None = None) -> list:
     """|predicted / measured - 1| of the `mode` time (fwd_bwd or fwd) of each one-device ringjax row of a results
     file (coverage or step; `candidates`: only the rows of a `--candidates` run; `keep`: only these coverage
-    features), on the calibration of `kind`; with `seqs`, (seq, error) pairs; `signed`: without the absolute value."""
+    features; `implementation`: only its rows), on the calibration of `kind`; with `seqs`, (seq, error) pairs;
+    `signed`: without the absolute value."""
     calibration = costs.load(kind)
     errors: list = []
     for result in map(json.loads, open(path)):
@@ -270,6 +263,8 @@ def _prediction_errors(path: str, kind: str = H100, mode: str = "fwd_bwd", candi
         if row is None or (candidates and "candidates" not in result):  # another library's row of the step suite
             continue
         if keep is not None and result["case"].get("feature") not in keep:
+            continue
+        if implementation is not None and row["implementation"] != implementation:
             continue
         found = costs.predict(calibration, row["implementation"], costs.problem_of(row))
         error = getattr(found, f"{mode}_s") * 1e3 / row[f"{mode}_ms"] - 1
@@ -281,7 +276,7 @@ def _prediction_errors(path: str, kind: str = H100, mode: str = "fwd_bwd", candi
 @pytest.mark.parametrize("path, kind, count, within", [
     ("benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-11-27_coverage_candidates.jsonl", H100, 29, 0.15),
     ("benchmarks/results/nvidia-h200_2026-11-28_coverage.jsonl", H200, 31, 0.22),
-    ("benchmarks/results/checks/nvidia-h200_2026-11-29_coverage_candidates_8k.jsonl", H200, 15, 0.08)])
+    ("benchmarks/results/checks/nvidia-h200_2026-11-29_coverage_candidates_8k.jsonl", H200, 15, 0.11)])
 def test_coverage_candidates_judge_the_shipped_calibration(path, kind, count, within):
     # the H200 rows of `_FUSED_SINCE` timed the split backward, which those calls no longer run: picks judged only
     """`coverage --candidates` on one H100 (jax 0.11.2, 2026-11-27; checks/, not fitted) and one H200 (jax 0.11.2,
@@ -291,8 +286,9 @@ def test_coverage_candidates_judge_the_shipped_calibration(path, kind, count, wi
     candidate it has no rates for, XLA at float32 on the H200, is not picked: 2.4% faster at 32K). The H200's
     calibration is fitted to calls run back to back since 2026-11-29 (the test above): the host's wait that
     these synced rows hold puts its 8K masks 14-22% below them, every other case within 12%. Timed back to back
-    after that fit (8K, 2026-11-29, checks/, not fitted): auto the fastest in all 15 cases, within 7%; within 8%
-    on the refit of 2026-11-29 11:40 UTC (the separable ALiBi kernel's coverage run)."""
+    after that fit (8K, 2026-11-29, checks/, not fitted): auto the fastest in all 15 cases, within 7%; within 11%
+    on the refit of 2026-12-02, whose Mosaic forward+backward is 5-10% faster than these rows (plain, head_dim 64,
+    ALiBi: the fused backward and the tuned configs shipped since)."""
     calibration = costs.load(kind)
     results = [result for result in map(json.loads, open(path)) if "candidates" in result]
     assert len(results) == count  # every case; the 32K runs measured their plain baseline again
@@ -509,7 +505,10 @@ def test_a_fused_ring_pays_its_copies_and_no_step_costs():
 def test_strategy_predictions_on_two_h200():
     # measured on 2 H200, causal zigzag, 32 / 8 heads, head_dim 128, jax 0.11.2, 2026-11-24 (fwd+bwd ms per GPU):
     # 8K tokens per GPU ring 9.2, all_gather 11.4, ulysses 15.3; 32K ring 128.6, all_gather 165.6;
-    # the ring ran pallas_mosaic_gpu, all_gather and ulysses ran pallas_triton then
+    # the ring ran pallas_mosaic_gpu, all_gather and ulysses ran pallas_triton then. Triton's strategies are
+    # predicted within 15%; the ring's Mosaic kernel has been made faster since (fused backward, tuned configs:
+    # predicted 18% below its 8K time of then), so it is judged on the runs of 2026-11-28 (the test above), and
+    # here only by the order
     calibration = costs.load(H200)
     measured = {8192: {"ring": 9.2, "all_gather": 11.4, "ulysses": 15.3}, 32768: {"ring": 128.6, "all_gather": 165.6}}
     for tokens, times in measured.items():
@@ -520,7 +519,9 @@ def test_strategy_predictions_on_two_h200():
             implementation = "pallas_mosaic_gpu" if name == "ring" else "pallas_triton"
             cost, = predict.strategy_costs(base, [strategy], calibration, implementation=implementation)
             predicted[name] = cost.total_s * 1e3
-            assert abs(predicted[name] / times[name] - 1) < 0.15, (tokens, name, predicted[name], times[name])
+            if name != "ring":
+                assert abs(predicted[name] / times[name] - 1) < 0.15, (tokens, name, predicted[name], times[name])
+        assert predicted["ring"] < times["ring"]
         assert sorted(predicted, key=predicted.get) == sorted(times, key=times.get)
 
 
@@ -632,13 +633,14 @@ def test_explain_names_a_gpu_on_a_cpu_host():
     text = explain(shape=(1, 32768, 32, 128), kv_heads=8, causal=True, layout="zigzag", device_kind=H200, devices=8,
                    strategy="auto")
     first = text.splitlines()[0]
-    # 4K tokens per GPU: Ulysses (one 32K call of 4 heads per GPU) predicted 7-8% below the fused ring on the
-    # calibration fitted back to back (2026-11-29; within 5% before, when each call paid the host's 0.48 ms)
-    assert first.startswith("ring_attention/pallas_mosaic_gpu: ") and "strategy ulysses over 'sp' of 8" in first
-    found = re.search(r"8 x NVIDIA H200: ([0-9.]+) ms forward \+ backward against ring ([0-9.]+) ms", first)
-    ulysses, ring = map(float, found.groups())
-    assert 0.85 < ulysses / ring < 0.97 and 7 < ring < 10, first
-    assert "per device: batch 1, seq 32768, heads 4/1 kv" in text
+    # 4K tokens per GPU: Ulysses (one 32K call of 4 heads per GPU) predicted 3% below the fused ring on the
+    # calibration of 2026-12-02 (7-8% on 2026-11-29's, before the 32K kernel's refit): within 5%, the ring is kept
+    assert first.startswith("ring_attention/pallas_mosaic_gpu: ") and "strategy ring over 'sp' of 8" in first
+    found = re.search(r"8 x NVIDIA H200: ([0-9.]+) ms forward \+ backward against all_gather [0-9.]+ ms, "
+                      r"ulysses ([0-9.]+) ms \(within 5%: the ring is kept\)", first)
+    ring, ulysses = map(float, found.groups())
+    assert 0.95 < ulysses / ring < 1 and 7 < ring < 10, first
+    assert "per device: batch 1, seq 4096, heads 32/8 kv" in text and "8 on the ring, layout zigzag" in text
     assert "pallas_tpu: refused: runs on tpu, not gpu" in text
     assert "* pallas_mosaic_gpu: predicted" in text and "pallas_triton: predicted" in text
     assert "strategies on 8 x NVIDIA H200" in text and "nothing was run" in text
