@@ -220,8 +220,8 @@ def test_h200_calibration_follows_calls_run_back_to_back():
     forward (segments' forwards the farthest: predicted 9% fast at 8K, 12% slow at 32K); the step suite from 1K to
     32K, causal and not (auto's rows, and Triton's at 1K to 4K of 2026-11-29), within 8% forward+backward, and
     forward within 8% from 4K and 15% below (the 1K and 2K causal Mosaic forwards, 0.087 and 0.104 ms, predicted
-    12% fast and 14% slow). Fitted before to calls synced one by one, its Mosaic forward+backward line had 0.48 ms fixed per call,
-    the host's wait, so 8K masks read 15-25% high and forwards up to 45%."""
+    12% fast and 14% slow). Fitted before to calls synced one by one, its Mosaic forward+backward line had 0.48 ms
+    fixed per call, the host's wait, so 8K masks read 15-25% high and forwards up to 45%."""
     coverage = [_prediction_errors(_H200_COVERAGE, H200, mode) for mode in costs.MODES]
     assert [len(e) for e in coverage] == [30, 30], coverage
     assert max(coverage[costs.MODES.index("fwd_bwd")]) < 0.05 and max(coverage[costs.MODES.index("fwd")]) < 0.12

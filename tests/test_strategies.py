@@ -417,11 +417,21 @@ def test_layers_take_strategy():
         EqxAttention(16, 4, axis_name="sp", strategy="hybrid", key=jax.random.key(0))
 
 
-def test_auto_measures_with_tuning_on(caplog):
-    """autotune="on": the strategies are timed on the devices, the fastest runs and is remembered."""
+def test_auto_measures_with_tuning_on(caplog, monkeypatch):
+    """autotune="on": the strategies are timed on the devices, all compiled first and timed in turn over
+    rounds (one interleaved measurement), the fastest runs and is remembered."""
     import logging
 
     from ringjax.dispatch import autotuning
+
+    interleaved = []
+    measure = autotuning.measure_interleaved
+
+    def spy(compiled, *args, **kwargs):
+        interleaved.append(len(compiled))
+        return measure(compiled, *args, **kwargs)
+
+    monkeypatch.setattr(autotuning, "measure_interleaved", spy)
 
     x = make_inputs(23, seq=64, heads=4, kv_heads=2)
     mesh = _mesh((4,))
@@ -440,3 +450,5 @@ def test_auto_measures_with_tuning_on(caplog):
     assert "measured fastest (autotuned: ring " in first and " all_gather " in first and " ulysses " in first
     assert "measured fastest (memory)" in second
     assert first.split(" chose ")[1].split(":")[0] == second.split(" chose ")[1].split(":")[0]
+    # ring, all_gather and ulysses in one measurement (then the chosen strategy's kernel configs are tuned)
+    assert interleaved[0] == 3, interleaved

@@ -113,7 +113,9 @@ def _time_strategies(op, base, candidates, implementation, settings):
     shape = [candidates[0].head_size, candidates[0].ring_size] if len(axes) == 2 else [n]
     mesh = Mesh(np.array(devices[:n]).reshape(shape), axes)
     args = autotuning.placed_stand_ins(base, mesh, candidates[0].seq_axes, n)
-    timings = []
+    # every strategy compiled first, then all timed in turn over the rounds (as the config tuner does), so
+    # that clocks or a neighbour drifting over the measurement do not favour whichever ran first
+    compiled, errors = [], []
     for strategy in candidates:
         try:
             problem = strategy.problem(base)
@@ -122,9 +124,11 @@ def _time_strategies(op, base, candidates, implementation, settings):
             run = functools.partial(spread.run_per_device, strategy, impl, base, config)
             call = calling.Call("global", strategy.seq_axes, strategy.num_shards, mesh)
             step = autotuning.timed_step(run, call, settings.backward)
-            compiled = jax.jit(step).lower(*args).compile()
-            timings.append((strategy.name, autotuning.measure(compiled, args, settings), None))
-            del compiled
-        except Exception as e:  # noqa: BLE001 - a strategy that does not compile or run is skipped
-            timings.append((strategy.name, None, autotuning.short_error(e)))
-    return timings
+            compiled.append(jax.jit(step).lower(*args).compile())
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - a strategy that does not compile is skipped
+            compiled.append(None)
+            errors.append(autotuning.short_error(e))
+    measured = autotuning.measure_interleaved(compiled, args, settings)
+    return [(s.name, None, err) if err is not None else (s.name, *m)
+            for s, err, m in zip(candidates, errors, measured)]

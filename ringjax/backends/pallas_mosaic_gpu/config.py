@@ -64,13 +64,13 @@ class MosaicGpuConfig(KernelConfig):
     longest-first order: fwd+bwd 1.05-1.07x at 8K causal, 1.2-1.4x at 4K, 1-2% slower at 16K and at head_dim
     256 (1 H200, docs/performance.md); the heuristic sets it on causal shards up to 8K
     (`implementation.TILE_MAJOR_SEQ`). `fused`: the forward ring as one kernel per call that copies the other
-    devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it computes
-    on its own, instead of a kernel per ring step with ppermutes between
-    them; the backward's dK/dV likewise one kernel that also stores the other sources' float32 partials into their
-    owners' slots (`kernels.fused_ring_bwd`; head_dims up to 128, above that the step ring's backward). K/V of every
-    source are resident at once, and in the backward their dK/dV partials (O(sequence) per device, not O(sequence /
-    devices)); the ring axis must span every device. The heuristic config (what `auto` runs untuned) sets it where
-    the call allows and those slots fit (`implementation.fuses_ring`).
+    devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it computes on
+    its own, instead of a kernel per ring step with ppermutes between them; the backward's dK/dV likewise one kernel
+    that also stores the other sources' float32 partials into their owners' slots (`kernels.fused_ring_bwd`;
+    head_dims up to 128, above that the step ring's backward). K/V of every source are resident at once, and in the
+    backward their dK/dV partials (O(sequence) per device, not O(sequence / devices)); the ring axis must span every
+    device. The heuristic config (what `auto` runs untuned) sets it where the call allows and those slots fit
+    (`implementation.fuses_ring`).
     `persistent`: where no row tile can visit more than 128 key blocks (64 over all sources of a fused ring
     pass), the forward launches one CTA per SM that walks row tiles sorted by their work
     (`kernels._Persist`), so one tile's pipeline fill and epilogue overlap the next tile's loads; in a
