@@ -370,6 +370,20 @@ def test_step_backward_tile_major(config):
                 config=dataclasses.replace(config, bwd_tile_major=True), **kw)
 
 
+@needs_kernels
+@pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
+@pytest.mark.parametrize("case", [FUSED_CASES[-1], FUSED_CASES[1], STEP_CASES[1]],
+                         ids=["window_segments", "skipping", "diagonal"])
+def test_step_backward_reverse(config, case):
+    """The dK/dV kernel's query blocks walked last first (`bwd_reverse`): the same gradients, masked and skipped
+    blocks included, at head_dim 128 (the fused kernel's dQ a visit late) and 64."""
+    layout, n, shard, src, local, dtype, kw = case
+    kw, batch, segments = _with_docs(kw, local * n)
+    for head_dim in (64, 128) if config.bwd_fused else (64,):
+        _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
+                    config=dataclasses.replace(config, bwd_reverse=True), **kw)
+
+
 @pytest.mark.parametrize("head_dim, seq, kw, fused, dq_first, tile_major", [
     (128, 8192, dict(causal=True), False, False, True),
     (128, 4096, dict(causal=True), False, False, True),

@@ -63,7 +63,9 @@ class MosaicGpuConfig(KernelConfig):
     order their work themselves); under a causal mask the first tiles are the heaviest, so this is the
     longest-first order: fwd+bwd 1.05-1.07x at 8K causal, 1.2-1.4x at 4K, 1-2% slower at 16K and at head_dim
     256 (1 H200, docs/performance.md); the heuristic sets it on causal shards up to 8K
-    (`implementation.TILE_MAJOR_SEQ`). `fused`: the forward ring as one kernel per call that copies the other
+    (`implementation.TILE_MAJOR_SEQ`). `bwd_reverse`: the dK/dV kernel walks each key tile's query blocks
+    last first, so under a causal mask the CTAs running at once read the same query blocks (from the last)
+    instead of each its own diagonal's. `fused`: the forward ring as one kernel per call that copies the other
     devices' K/V into receive slots itself (remote TMA, semaphores; `kernels.fused_ring_fwd`) while it computes on
     its own, instead of a kernel per ring step with ppermutes between them; the backward's dK/dV likewise one kernel
     that also stores the other sources' float32 partials into their owners' slots (`kernels.fused_ring_bwd`;
@@ -90,6 +92,7 @@ class MosaicGpuConfig(KernelConfig):
     bwd_fused: bool = False
     bwd_dq_first: bool = False
     bwd_tile_major: bool = False
+    bwd_reverse: bool = False
     fused: bool = False
     persistent: bool = True
     interpret: bool = False

@@ -94,6 +94,8 @@ class _Walk:
     # shared memory, the dQ kernel's sum their dQ once at the end); tiles are stored as two halves
     # [2, rows, d / 2] and the scores sum a wgmma per half
     split: bool = False
+    # the main range's blocks walked last first (dK/dV under a causal mask: `MosaicGpuConfig.bwd_reverse`)
+    reverse: bool = False
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -338,10 +340,11 @@ class _Span:
     pn: jax.Array
     lo: jax.Array
     n: jax.Array
+    reverse: bool = False  # [lo, lo + n) streamed last first
 
     @classmethod
-    def union(cls, b0, b1):
-        return cls(*_span(b0, b1, 0, 1), *_span(b0, b1, 2, 5))
+    def union(cls, b0, b1, reverse: bool = False):
+        return cls(*_span(b0, b1, 0, 1), *_span(b0, b1, 2, 5), reverse)
 
     @property
     def steps(self):
@@ -349,7 +352,8 @@ class _Span:
 
     def block(self, i):
         """The block streamed at visit i."""
-        return jnp.where(i < self.pn, self.plo + i, self.lo + i - self.pn)
+        main = self.lo + self.n - 1 - (i - self.pn) if self.reverse else self.lo + i - self.pn
+        return jnp.where(i < self.pn, self.plo + i, main)
 
 
 def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
@@ -362,8 +366,23 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
 
         return lax.fori_loop(start, stop, one, carry)
 
+    def run_main(runs, carry):
+        """The main range's runs in order, or (`span.reverse`) the runs last first, each block last first."""
+        last = span.lo + span.n - 1
+        for start, stop, kind in reversed(runs) if span.reverse else runs:
+            if not span.reverse:
+                carry = run(start, stop, kind, span.lo, span.pn, carry)
+                continue
+
+            def one(k, c, stop=stop, kind=kind):
+                blk = stop - 1 - k
+                return body(last - blk + span.pn, blk, c, kind)
+
+            carry = lax.fori_loop(jnp.int32(0), jnp.maximum(stop - start, 0), one, carry)
+        return carry
+
     if not walk.ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
-        return run(span.lo, span.lo + span.n, "full", span.lo, span.pn, carry)
+        return run_main([(span.lo, span.lo + span.n, "full")], carry)
     plo, phi, lo, flo, fhi, hi = bounds
     if walk.prefix:
         end = span.plo + span.pn
@@ -374,10 +393,8 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
     end = span.lo + span.n
     tlo, flo, fhi, thi = (jnp.clip(x, span.lo, end) for x in (lo, flo, fhi, hi))
     thi = jnp.maximum(thi, tlo)
-    for start, stop, kind in ((span.lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
-                              (thi, end, "skip")):
-        carry = run(start, stop, kind, span.lo, span.pn, carry)
-    return carry
+    return run_main([(span.lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
+                     (thi, end, "skip")], carry)
 
 
 def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
@@ -1439,7 +1456,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         row = b if has_seg else 0
         tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]  # split: one tile
         bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
-        span = _Span.union(*bounds)
+        span = _Span.union(*bounds, reverse=walk.reverse)
 
         def _consumer(wg):
             plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
@@ -1871,6 +1888,7 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     split = split_head_dim(d, dv)
     bq = _fit(t, config.dkv_block_q, opts)
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
+    walk = dataclasses.replace(walk, reverse=config.bwd_reverse)
     k_infos = k_info if ring is not None else [k_info]
     rng = _per_source([_visit_table(opts, x, q_info, ROWS, bq, transpose=True)[0] for x in k_infos], ring is not None)
     kstarts, segs = _key_tables(q_info, k_infos, ROWS, ring is not None)
