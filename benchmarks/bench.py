@@ -306,8 +306,11 @@ def step_variants(args, rec: Recorder, case: dict, inputs, flops: float, referen
                 if base is None:
                     raise SystemExit(f"--variant: {args.implementation} logged no config to vary")
             check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
-            # gradients once per config (round 0): one more compile, no timing
-            grads = jax.block_until_ready(attention_fns(attn)[1](*inputs)) if round_ == 0 else None
+            try:  # gradients once per config (round 0): one more compile, no timing
+                grads = jax.block_until_ready(attention_fns(attn)[1](*inputs)) if round_ == 0 else None
+            except Exception as e:  # noqa: BLE001
+                rec.add(row_case, **timing, error=failure(e))
+                continue
             if first is None:
                 first, first_grads = out, grads
             elif overrides:

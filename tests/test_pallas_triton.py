@@ -204,6 +204,28 @@ def test_every_supported_shape_gets_a_fitting_config(dtype, head_dim, limit):
     assert cfg.fit(fitted, head_dim, itemsize, limit) == fitted
 
 
+def test_fused_backward_estimate_covers_its_measured_request():
+    """The fused float32 dK/dV kernel at 64 x 64, 2 stages asked an H200 for 247296 bytes (the split one's estimate
+    is 48640 less) and failed to compile: `fit` now shrinks it, and the split config keeps its tiles."""
+    from ringjax.backends.pallas_triton import config as cfg
+
+    fused = GpuConfig(bwd_fused=True)
+    assert cfg.shared_memory_bytes(fused, 128, 4)["dkv"] >= 247296
+    assert cfg.shared_memory_bytes(GpuConfig(), 128, 4)["dkv"] < 247296
+    fitted = cfg.fit(fused, 128, 4, SM90)
+    assert fitted is not None and fitted.bwd_block_kv < fused.bwd_block_kv
+    assert cfg.over_limit(fitted, 128, 4, SM90) is None
+    assert cfg.fit(GpuConfig(), 128, 4, SM90).bwd_block_kv == GpuConfig().bwd_block_kv
+
+
+def test_float32_backward_takes_narrower_key_blocks():
+    """float32's default dK/dV key blocks are 32 wide (64 spill registers: measured on an H200); bf16 keeps 64."""
+    impl = registry.choose("ring_attention", "pallas_triton", _problem())[1]
+    assert impl.default_config(_problem()).bwd_block_kv == 64
+    assert impl.default_config(_problem(dtype="float32")).bwd_block_kv == 32
+    assert any(c.bwd_block_kv == 32 for c in impl.candidate_configs(_problem(dtype="float32")))
+
+
 def test_fitting_keeps_the_measured_bf16_config_and_shrinks_float32():
     """bf16 / head_dim 128 keeps the tiles measured fastest on an H200; float32 gets smaller key blocks."""
     impl = registry.choose("ring_attention", "pallas_triton", _problem())[1]

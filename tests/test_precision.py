@@ -133,6 +133,20 @@ def _problem(dtype="float32", prec="default", **kw):
     return registry.Problem(**{**base, **kw})
 
 
+@pytest.mark.parametrize("batch, heads, side", [(1, 32, 2048), (1, 8, 2048), (4, 32, 1024), (8, 32, 512),
+                                                (64, 32, 512)])
+def test_xla_blocks_grow_on_gpus_within_the_score_budget(batch, heads, side):
+    """On a GPU the float32 XLA step takes blocks as large as 2048 (measured faster on an H200) while one block
+    pair's scores stay within GPU_SCORES; never below the 512 that bf16 and every other platform keep."""
+    from ringjax.backends.xla.implementation import GPU_SCORES, IMPLEMENTATION
+
+    config = IMPLEMENTATION.default_config(_problem(batch=batch, heads=heads, seq=32768))
+    assert (config.block_q, config.block_kv) == (side, side)
+    assert side == 512 or batch * heads * side * side <= GPU_SCORES
+    assert IMPLEMENTATION.default_config(_problem(batch=batch, heads=heads, platform="cpu")) == XlaConfig()
+    assert IMPLEMENTATION.default_config(_problem(batch=batch, heads=heads, dtype="bfloat16")) == XlaConfig()
+
+
 def test_triton_refuses_full_float32_and_auto_falls_back_to_xla():
     triton = next(r for r in registry.registrations("ring_attention") if r.name == "pallas_triton")
     for prec in ("highest", "F32_F32_F32"):

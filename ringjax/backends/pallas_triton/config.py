@@ -103,8 +103,10 @@ def shared_memory_bytes(config: GpuConfig, head_dim: int, itemsize: int, v_head_
       dQ:       stages * block_kv * w * s  (K, V)  + block_q * w * s  (Q, dO)            + 1024
       dK/dV:    stages * (block_q * w * s + 2 * block_q * 4)  (Q, dO, lse, delta)
                 + block_kv * w * s  (K, V)                                              + 1024
+                fused (`bwd_fused`): + block_q * d * 4 + block_q * block_kv * 4  (dQ's tile, dS)
     Measured on an H200: the float32, head_dim 128 forward at 128 x 128, 3 stages asked for
-    394240 bytes, the loop term + 1024; the Q term is the margin.
+    394240 bytes, the loop term + 1024; the Q term is the margin. The fused float32 dK/dV kernel at
+    64 x 64, 2 stages asked for 247296, 48640 above the split one's estimate (2026-12-03).
     """
     d, s, scratch = head_dim, itemsize, 1024
     w = d + (d if v_head_dim is None else v_head_dim)
@@ -112,7 +114,8 @@ def shared_memory_bytes(config: GpuConfig, head_dim: int, itemsize: int, v_head_
     return {
         "forward": config.num_stages * bk * w * s + bq * d * s + scratch,
         "dq": config.bwd_num_stages * bbk * w * s + bbq * w * s + scratch,
-        "dkv": config.bwd_num_stages * (bbq * w * s + 2 * bbq * 4) + bbk * w * s + scratch,
+        "dkv": (config.bwd_num_stages * (bbq * w * s + 2 * bbq * 4) + bbk * w * s + scratch
+                + (bbq * d * 4 + bbq * bbk * 4 if config.bwd_fused else 0)),
     }
 
 
