@@ -5,6 +5,8 @@ in the Pallas interpreter ("pallas_triton_interpret"), so CI checks their arithm
 and masks, and a lowering test checks that they lower to Triton for CUDA.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -62,6 +64,22 @@ FUSED_CASES = [
 def test_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 11 + len(kw), dtype=dtype, **xkw)
     got = run_ring(x, n, layout=layout, implementation=IMPL, config=FUSED, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+XLA_BWD_CASES = [
+    (2, "zigzag", "float32", dict(seq=64), dict(causal=True)),
+    (4, "contiguous", "float32", dict(seq=64, segments="random", sinks=True), dict(causal=True, sliding_window=20)),
+    (2, "striped", "bfloat16", dict(seq=64, heads=4, kv_heads=1), dict(logits_soft_cap=3.0)),
+]
+
+
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", XLA_BWD_CASES)
+def test_xla_backward_after_the_triton_forward_matches_reference(n, layout, dtype, xkw, kw):
+    """`bwd_xla=True`: the Triton forward's lse feeds the XLA step's backward, on every ring step."""
+    x = make_inputs(n * 13 + len(kw), dtype=dtype, **xkw)
+    config = dataclasses.replace(SMALL, bwd_xla=True)
+    got = run_ring(x, n, layout=layout, implementation=IMPL, config=config, **kw)
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 

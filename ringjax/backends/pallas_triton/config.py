@@ -31,7 +31,9 @@ class GpuConfig(KernelConfig):
     runs the same kernels through the Pallas interpreter (CPU tests; slow).
     `bwd_fused=True` computes dQ inside the dK/dV kernel with float32 atomic adds (5 block
     matmuls per block pair instead of 7; the summation order of dQ is then not fixed; the op's
-    `deterministic=True` runs the split kernels instead).
+    `deterministic=True` runs the split kernels instead). `bwd_xla=True` runs the backward as the XLA step
+    does (`backends.xla`, blocks of `xla.config.gpu_blocks`) after the Triton forward: in float32 XLA's
+    backward is the faster one.
     """
 
     block_q: int = power_of_two(MIN_BLOCK, default=128)
@@ -43,6 +45,7 @@ class GpuConfig(KernelConfig):
     bwd_num_warps: int = _warps(default=4)
     bwd_num_stages: int = int_in(1, 8, default=2)
     bwd_fused: bool = False
+    bwd_xla: bool = False
     interpret: bool = False
 
 

@@ -9,6 +9,8 @@ from ringjax.backends.pallas_triton import SUPPORT
 from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
 from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd, fuses_backward
+from ringjax.backends.xla import kernels as xla_kernels
+from ringjax.backends.xla.config import gpu_blocks
 from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem, check_interpret, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard
@@ -18,8 +20,17 @@ from ringjax.core.ring import BlockKernel, ring_attention_shard
 def kernel(precision: str) -> BlockKernel:
     """The ring step whose float32 tiles multiply at `precision` (a `core.precision` name); one object per
     precision, so traces and compiled calls are shared."""
-    return BlockKernel.without_extras("pallas_triton", functools.partial(block_fwd, precision=precision),
-                                      functools.partial(block_bwd, precision=precision), skips_empty_steps=True)
+
+    def fwd(q, k, v, q_info, k_info, extras, opts, config):
+        return block_fwd(q, k, v, q_info, k_info, opts, config, precision=precision)
+
+    def bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
+        if config.bwd_xla:  # the XLA step's backward; it skips the block pairs the mask hides, as these kernels do
+            return xla_kernels.block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts,
+                                         gpu_blocks(q.shape[0], q.shape[2]), precision=precision)
+        return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config, precision=precision), None)
+
+    return BlockKernel("pallas_triton", fwd, bwd, skips_empty_steps=True)
 
 
 KERNEL = kernel(DEFAULT)
@@ -92,6 +103,9 @@ class PallasTritonImplementation:
     def config_note(self, problem: Problem, config: GpuConfig) -> str:
         """Which backward runs where `config` asks for the fused one (`kernels.fuses_backward`); "" where it
         does not ask."""
+        if config.bwd_xla:
+            blocks = gpu_blocks(problem.batch, problem.heads)
+            return f"backward by the XLA step ({blocks.block_q} x {blocks.block_kv} blocks)"
         if not config.bwd_fused:
             return ""
         return fused_backward_note("dQ added by float32 atomics", None if fuses_backward(problem.opts, config)

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from ringjax.backends.xla import CACHE_SUPPORT, SUPPORT
-from ringjax.backends.xla.config import XlaCacheConfig, XlaConfig
+from ringjax.backends.xla.config import XlaCacheConfig, XlaConfig, gpu_blocks
 from ringjax.backends.xla.kernels import block_bwd, block_fwd, cache_partials
 from ringjax.core import precision
 from ringjax.core.precision import DEFAULT
@@ -25,9 +25,6 @@ def kernel(precision: str) -> BlockKernel:
 KERNEL = kernel(DEFAULT)
 
 
-GPU_SCORES = 1 << 27  # float32 scores of one block pair on a GPU (512 MiB): 32 heads of 2048 x 2048
-
-
 @dataclasses.dataclass(frozen=True)
 class XlaImplementation:
     name: str = "xla"
@@ -37,17 +34,9 @@ class XlaImplementation:
         return SUPPORT.refusal(self.name, problem)
 
     def default_config(self, problem: Problem) -> XlaConfig:
-        if problem.platform != "gpu" or problem.itemsize != 4:
+        if problem.platform != "gpu":
             return XlaConfig()
-        # On a GPU every block pair is a few kernel launches, so larger blocks win until the scores crowd memory:
-        # float32 8K causal on one H200 (jax 0.11.2, 2026-12-03) ran fwd+bwd at 38.1 TFLOP/s with 512 x 512
-        # blocks, 57.0 with 1024 and 60.8 with 2048 (26.8 against 21.6 at "highest"). The side is the largest
-        # power of two up to 2048 whose float32 scores of all batch rows and heads stay within GPU_SCORES.
-        # (bf16 keeps 512 until measured.)
-        side = 2048
-        while side > XlaConfig.block_q and problem.batch * problem.heads * side * side > GPU_SCORES:
-            side //= 2
-        return XlaConfig(block_q=side, block_kv=side)
+        return gpu_blocks(problem.batch, problem.heads)
 
     def candidate_configs(self, problem: Problem) -> list[XlaConfig]:
         sizes = sorted({min(s, problem.seq) for s in (128, 256, 512, 1024, 2048)})
