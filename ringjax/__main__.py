@@ -363,7 +363,7 @@ def _cmd_calibrate(args) -> int:
     from ringjax.dispatch import calibrate, costs
 
     if args.from_results:
-        kind, kernels = calibrate.rows_from_results(args.from_results)
+        kind, kernels = calibrate.rows_from_results(args.from_results, candidates=args.candidates)
         collectives: list = []
     else:
         sizes = dict(seqs=(256,), heads=4, kv_heads=2, head_dims=(32, 64), collective_mib=(1, 4), repeats=2) \
@@ -487,6 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="measure this device's kernel and collective rates (what 'auto' predicts "
                                          "from), or build them from benchmark results")
     p.add_argument("--from-results", nargs="+", metavar="JSONL", help="benchmarks/results files instead of measuring")
+    p.add_argument("--candidates", action="store_true",
+                   help="with --from-results: also every implementation that `coverage --candidates` timed")
     p.add_argument("--seqs", type=_positive_int, nargs="+", default=[8192, 32768], help="sequence lengths to time")
     p.add_argument("--repeats", type=_positive_int, default=5)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a quick check on a CPU)")

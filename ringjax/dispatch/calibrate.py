@@ -2,6 +2,7 @@
 
     python -m ringjax calibrate                                   # measure on this machine's devices
     python -m ringjax calibrate --from-results benchmarks/results/*.jsonl
+    python -m ringjax calibrate --from-results FILE --candidates  # and every implementation coverage timed
 
 Either way the rows are merged into the device kind's existing file (a row replaces the one with the
 same implementation, dtype, precision, shape and features; the newest measurement wins) and the file
@@ -70,8 +71,22 @@ def kernel_row(result: Mapping[str, Any], source: str) -> dict[str, Any] | None:
     return row
 
 
-def rows_from_results(paths: Iterable[str | Path]) -> tuple[str, list[dict[str, Any]]]:
-    """(device kind, kernel rows) of benchmark results files of one device kind."""
+def candidate_rows(result: Mapping[str, Any], source: str) -> list[dict[str, Any]]:
+    """The rows of every implementation a `coverage --candidates` line timed beside auto's (each with the config
+    it runs by itself), auto's own included; [] for any other line."""
+    row = kernel_row(result, source)
+    if row is None or "candidates" not in result:
+        return []
+    others = [{**row, "implementation": name, "fwd_ms": c["fwd_ms"], "fwd_bwd_ms": c["fwd_bwd_ms"],
+               "source": f"{source}, candidates"}
+              for name, c in result["candidates"].items()
+              if name != row["implementation"] and c.get("fwd_ms") and c.get("fwd_bwd_ms")]
+    return [row, *others]
+
+
+def rows_from_results(paths: Iterable[str | Path], candidates: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """(device kind, kernel rows) of benchmark results files of one device kind; `candidates`: also the rows of
+    every implementation `coverage --candidates` timed (`candidate_rows`)."""
     kinds, rows = set(), []
     for path in paths:
         path = Path(path)
@@ -79,10 +94,13 @@ def rows_from_results(paths: Iterable[str | Path]) -> tuple[str, list[dict[str, 
             if not line.strip():
                 continue
             result = json.loads(line)
-            row = kernel_row(result, f"benchmarks/results/{path.name}")
-            if row is not None:
+            source = f"benchmarks/results/{path.name}"
+            found = candidate_rows(result, source) if candidates else []
+            row = kernel_row(result, source)
+            found = found or ([row] if row is not None else [])
+            if found:
                 kinds.add(result["device_kind"])
-                rows.append(row)
+                rows.extend(found)
     if len(kinds) > 1:
         raise ValueError(f"results of several device kinds {sorted(kinds)}: calibrate one at a time")
     if not kinds:
