@@ -244,6 +244,10 @@ def test_float32_backward_takes_narrower_key_blocks():
     assert impl.default_config(_problem(dtype="float32")).bwd_block_kv == 32
     # and XLA's backward runs by default in float32 (the faster one), Triton's in bf16
     assert impl.default_config(_problem(dtype="float32")).bwd_xla and not impl.default_config(_problem()).bwd_xla
+    # the tuner tries both backwards after each forward in float32, only Triton's in bf16
+    fp32 = impl.candidate_configs(_problem(dtype="float32"))
+    assert impl.default_config(_problem(dtype="float32")) in fp32 and any(not c.bwd_xla for c in fp32)
+    assert not any(c.bwd_xla for c in impl.candidate_configs(_problem()))
     assert any(c.bwd_block_kv == 32 for c in impl.candidate_configs(_problem(dtype="float32")))
 
 

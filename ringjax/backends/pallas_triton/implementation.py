@@ -100,6 +100,10 @@ class PallasTritonImplementation:
                                                       interpret=self.interpret))
                 if config is not None and config not in out:
                     out.append(config)
+        if problem.itemsize == 4:  # each forward also before XLA's backward, the float32 default (its tiles unused)
+            base = self.default_config(problem)
+            bwd = {f: getattr(base, f) for f in ("bwd_block_q", "bwd_block_kv", "bwd_num_warps", "bwd_num_stages")}
+            out = list(dict.fromkeys(dataclasses.replace(c, bwd_xla=True, **bwd) for c in out)) + out
         return out
 
     def config_note(self, problem: Problem, config: GpuConfig) -> str:
