@@ -138,8 +138,8 @@ def _problem(dtype="float32", prec="default", **kw):
 def test_xla_blocks_grow_on_gpus_within_the_score_budget(batch, heads, side):
     """On a GPU the XLA step takes blocks as large as 2048 (measured faster on an H200, float32 and bf16) while one
     block pair's float32 scores stay within GPU_SCORES; never below the 512 every other platform keeps."""
-    from ringjax.backends.xla.config import GPU_SCORES
     from ringjax.backends.xla.implementation import IMPLEMENTATION
+    from ringjax.core.blockwise import GPU_SCORES
 
     config = IMPLEMENTATION.default_config(_problem(batch=batch, heads=heads, seq=32768))
     assert (config.block_q, config.block_kv) == (side, side)

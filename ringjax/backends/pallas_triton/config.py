@@ -32,7 +32,7 @@ class GpuConfig(KernelConfig):
     `bwd_fused=True` computes dQ inside the dK/dV kernel with float32 atomic adds (5 block
     matmuls per block pair instead of 7; the summation order of dQ is then not fixed; the op's
     `deterministic=True` runs the split kernels instead). `bwd_xla=True` runs the backward as the XLA step
-    does (`backends.xla`, blocks of `xla.config.gpu_blocks`) after the Triton forward: in float32 XLA's
+    does (`core.blockwise`, blocks of `blockwise.gpu_blocks`) after the Triton forward: in float32 XLA's
     backward is the faster one.
     """
 

@@ -9,8 +9,7 @@ from ringjax.backends.pallas_triton import SUPPORT
 from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
 from ringjax.backends.pallas_triton.kernels import block_bwd, block_fwd, fuses_backward
-from ringjax.backends.xla import kernels as xla_kernels
-from ringjax.backends.xla.config import gpu_blocks
+from ringjax.core import blockwise
 from ringjax.core.precision import DEFAULT
 from ringjax.core.problem import Problem, check_interpret, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard
@@ -25,9 +24,9 @@ def kernel(precision: str) -> BlockKernel:
         return block_fwd(q, k, v, q_info, k_info, opts, config, precision=precision)
 
     def bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts, config):
-        if config.bwd_xla:  # the XLA step's backward; it skips the block pairs the mask hides, as these kernels do
-            return xla_kernels.block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts,
-                                         gpu_blocks(q.shape[0], q.shape[2]), precision=precision)
+        if config.bwd_xla:  # the XLA step's backward (core.blockwise); it skips the pairs the mask hides, as ours do
+            return blockwise.block_bwd(q, k, v, dout, lse, delta, q_info, k_info, extras, opts,
+                                       blockwise.gpu_blocks(q.shape[0], q.shape[2]), precision=precision)
         return (*block_bwd(q, k, v, dout, lse, delta, q_info, k_info, opts, config, precision=precision), None)
 
     return BlockKernel("pallas_triton", fwd, bwd, skips_empty_steps=True)
@@ -110,7 +109,7 @@ class PallasTritonImplementation:
         """Which backward runs where `config` asks for the fused one (`kernels.fuses_backward`); "" where it
         does not ask."""
         if config.bwd_xla:
-            blocks = gpu_blocks(problem.batch, problem.heads)
+            blocks = blockwise.gpu_blocks(problem.batch, problem.heads)
             return f"backward by the XLA step ({blocks.block_q} x {blocks.block_kv} blocks)"
         if not config.bwd_fused:
             return ""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ringjax.core import blockwise
 from ringjax.core.problem import KernelConfig
 
 
@@ -11,28 +12,16 @@ from ringjax.core.problem import KernelConfig
 class XlaConfig(KernelConfig):
     """Block sizes of the XLA step; each is shrunk to a divisor of the shard length."""
 
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int = blockwise.DEFAULT_BLOCK
+    block_kv: int = blockwise.DEFAULT_BLOCK
 
     def __post_init__(self):
         self._check_ints(("block_q", "block_kv"), lambda v: v >= 1, "a positive int")
 
 
-GPU_SCORES = 1 << 27  # float32 scores of one block pair on a GPU (512 MiB): 32 heads of 2048 x 2048
-
-
 def gpu_blocks(batch: int, heads: int) -> XlaConfig:
-    """The step's blocks on a GPU: square, the largest power of two up to 2048 whose float32 scores of all
-    `batch` rows and `heads` query heads stay within GPU_SCORES, and never below the default 512.
-
-    Each block pair is a few kernel launches, so on a GPU larger blocks win until the scores crowd memory:
-    8K causal on one H200 (jax 0.11.2, 2026-12-03) ran float32 fwd+bwd at 38.1 TFLOP/s with 512 x 512 blocks,
-    57.0 with 1024 and 60.8 with 2048 (26.8 against 21.6 at "highest"); bf16 23.0 ms at 1024 against 35.8-48.6.
-    """
-    side = 2048
-    while side > XlaConfig.block_q and batch * heads * side * side > GPU_SCORES:
-        side //= 2
-    return XlaConfig(block_q=side, block_kv=side)
+    """`core.blockwise.gpu_blocks` as this backend's config: the blocks it takes on a GPU."""
+    return XlaConfig(**blockwise.gpu_blocks(batch, heads)._asdict())
 
 
 @dataclasses.dataclass(frozen=True)
