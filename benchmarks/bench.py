@@ -158,7 +158,7 @@ def timed(attn, inputs, flops: float, args, devices: int = 1, reports: list | No
     `ringjax.implementation` reports of the call are appended to `reports` if given."""
     with ringjax_log() as log:
         timing, out = measure(attn, *inputs, flops, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
-                              devices=devices, back_to_back=args.back_to_back)
+                              devices=devices, back_to_back=args.back_to_back, min_sample_s=args.sample_ms / 1e3)
     if reports is not None:
         reports.extend(log.reports)
     return {**picked(log), **timing}, out
@@ -226,7 +226,8 @@ def timed_other(library: str, causal: bool, inputs, flops: float, args, **option
         return {"skipped": why}
     try:
         timing, _ = measure(other_attention(library, causal, **options), *inputs, flops, reps=args.reps,
-                            warmup=args.warmup, budget_s=args.budget, back_to_back=args.back_to_back)
+                            warmup=args.warmup, budget_s=args.budget, back_to_back=args.back_to_back,
+                            min_sample_s=args.sample_ms / 1e3)
     except Exception as e:  # noqa: BLE001 - a library that refuses a shape is recorded, the rest go on
         return {"error": failure(e)}
     return {"implementation": OTHER_IMPLEMENTATION[library], **timing}
@@ -448,7 +449,7 @@ def run_prefill(args, rec: Recorder):
                     with ringjax_log() as log:
                         out = jax.block_until_ready(fn(q, cache))
                     seconds = timeit(fn, q, cache, reps=args.reps, warmup=args.warmup, budget_s=args.budget,
-                                     back_to_back=args.back_to_back)
+                                     back_to_back=args.back_to_back, min_sample_s=args.sample_ms / 1e3)
                 except Exception as e:  # noqa: BLE001 - e.g. out of memory
                     rec.add(case, error=failure(e))
                     continue
@@ -1201,6 +1202,10 @@ def parser() -> argparse.ArgumentParser:
                         help="calls per timed sample, dispatched without a host sync between them as a training "
                              "loop runs them; the time per call is kept (default 5; million and --tiny 1). 1 syncs "
                              "every call, which adds the host's dispatch and wait (about 0.2 ms on an H200) to it")
+    common.add_argument("--sample-ms", type=float,
+                        help="shortest timed sample: where --back-to-back calls take less, a sample takes as many "
+                             "calls as last this long, so that its one wait and first dispatch (about 0.4 ms on an "
+                             "H200) weigh little on short calls (default 20; --tiny 0, which keeps --back-to-back)")
     common.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     common.add_argument("--tiny", action="store_true",
                         help="CPU smoke sizes: T=256, 4 q / 2 kv heads, head_dim 32; seconds per suite")
@@ -1285,12 +1290,15 @@ def parser() -> argparse.ArgumentParser:
 # calls per timed sample unless --back-to-back says otherwise: synced one by one, the host's wait (about 0.2 ms a
 # call on an H200, 2026-11-29) read as kernel time, two fifths of an 8K masked forward
 DEFAULT_BACK_TO_BACK = 5
+# and at least this many milliseconds per sample (`common.timeit`): 5 back to back still read an 8K windowed forward
+# 28% above its kernels' time on the GPU's timeline, 25 read it 7% above (1 H200, jax 0.11.2, 2026-12-03)
+SAMPLE_MS = 20.0
 
 
 def resolve(args) -> argparse.Namespace:
     """Fill options left unset from the suite's defaults (--tiny's where given) and build args.shape."""
     suite = SUITES[args.suite]
-    timing = {"back_to_back": 1 if args.tiny else DEFAULT_BACK_TO_BACK}
+    timing = {"back_to_back": 1 if args.tiny else DEFAULT_BACK_TO_BACK, "sample_ms": 0.0 if args.tiny else SAMPLE_MS}
     for key, value in {**SHAPE, **timing, **suite.defaults, **(TINY_SHAPE | suite.tiny if args.tiny else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

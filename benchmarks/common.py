@@ -14,6 +14,7 @@ import datetime
 import functools
 import json
 import logging
+import math
 import re
 import shlex
 import statistics
@@ -30,22 +31,40 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FWD, FWD_BWD, BWD = 1.0, 3.5, 2.5  # FLOPs of each mode in units of the forward's
 
 
-def timeit(fn, *args, reps: int = 10, warmup: int = 2, budget_s: float = float("inf"), back_to_back: int = 1) -> float:
+def timeit(fn, *args, reps: int = 10, warmup: int = 2, budget_s: float = float("inf"), back_to_back: int = 1,
+           min_sample_s: float = 0.0) -> float:
     """Median wall time (s) of `fn(*args)` over `reps` samples after `warmup` calls; a sample dispatches
     `back_to_back` calls and waits for the last (as a decode loop does), and counts its time per call.
 
-    Timing stops early once the timed samples add up to `budget_s` (one sample is always timed).
+    `min_sample_s`: a first sample that lasts less takes more calls per sample, as many as make it last that
+    long (at most `MAX_CALLS_PER_SAMPLE`), so that each sample's one wait and first dispatch, a fixed cost, weigh
+    little on short calls. Timing stops early once the timed samples add up to `budget_s` (one sample is always
+    timed).
     """
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times: list[float] = []
-    while len(times) < reps and sum(times) * back_to_back < budget_s:
+
+    def sample(calls: int) -> float:
         start = time.perf_counter()
-        out = [fn(*args) for _ in range(back_to_back)]
+        out = [fn(*args) for _ in range(calls)]
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / back_to_back)
-        del out
+        return time.perf_counter() - start
+
+    calls = back_to_back
+    first = sample(calls)
+    if 0 < first < min_sample_s:
+        calls = min(MAX_CALLS_PER_SAMPLE, max(calls, math.ceil(calls * min_sample_s / first)))
+        first = sample(calls)
+    times = [first / calls]
+    while len(times) < reps and sum(times) * calls < budget_s:
+        times.append(sample(calls) / calls)
     return statistics.median(times)
+
+
+# each timed sample's wait and first dispatch cost about 0.4 ms on an H200 (jax 0.11.2, 2026-12-03: 5 calls of an 8K
+# windowed forward took 0.338 ms each, 25 took 0.281, its kernels 0.263 on the GPU's own timeline); samples of at
+# least 20 ms (`--sample-ms`) keep that within 2%
+MAX_CALLS_PER_SAMPLE = 1000
 
 
 def attention_flops(batch: int, heads: int, tokens: int, head_dim: int, causal: bool, bwd: bool) -> float:
@@ -120,13 +139,13 @@ def significant(x: float, digits: int = 4) -> float:
 
 
 def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budget_s: float, devices: int = 1,
-            back_to_back: int = 1):
+            back_to_back: int = 1, min_sample_s: float = 0.0):
     """Time `attn` forward and forward+backward: (rates(...) fields, forward output).
 
     Each mode's first call compiles and counts as a warm-up; a mode whose first call takes longer
     than `budget_s` gets no further warm-up, and timing stops once `budget_s` is spent. A forward
     that fails raises; a backward that fails is recorded as `fwd_bwd_error`. `back_to_back`: calls per
-    sample without a host sync between them (`timeit`).
+    sample without a host sync between them, more where a sample would last less than `min_sample_s` (`timeit`).
     """
     fwd, fwd_bwd = attention_fns(attn)
 
@@ -134,7 +153,8 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
         start = time.perf_counter()
         first = jax.block_until_ready(fn(*args))
         more = 0 if time.perf_counter() - start > budget_s else max(0, warmup - 1)
-        return timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s, back_to_back=back_to_back) * 1e3, first
+        return timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s, back_to_back=back_to_back,
+                      min_sample_s=min_sample_s) * 1e3, first
 
     fwd_ms, out = mode_ms(fwd, q, k, v)
     try:

@@ -344,3 +344,35 @@ def test_back_to_back_dispatches_calls_without_a_sync_between(bench, monkeypatch
                 for suite in ("step", "coverage", "million") for tiny in ((), ("--tiny",))}
     assert resolved == {("step", ()): 5, ("coverage", ()): 5, ("million", ()): 1, ("step", ("--tiny",)): 1,
                         ("coverage", ("--tiny",)): 1, ("million", ("--tiny",)): 1}
+    floors = {(suite, tiny): bench.resolve(bench.parser().parse_args([suite, *tiny])).sample_ms
+              for suite in ("step", "million") for tiny in ((), ("--tiny",))}
+    assert floors == {("step", ()): 20.0, ("million", ()): 20.0, ("step", ("--tiny",)): 0.0,
+                      ("million", ("--tiny",)): 0.0}
+
+
+def test_short_calls_take_more_calls_per_sample(bench, monkeypatch):
+    """min_sample_s: where a first sample of `back_to_back` calls lasts less, every sample takes as many calls as
+    last that long (within MAX_CALLS_PER_SAMPLE), and the time per call is still what is kept."""
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    waits = []
+
+    def wait(out):
+        waits.append(len(out))
+        return out
+
+    monkeypatch.setattr(bench.jax, "block_until_ready", wait)
+
+    def call(x):  # 1 ms of "device time" per call
+        clock[0] += 1e-3
+        return x
+
+    per_call = bench.timeit(call, 1.0, reps=3, warmup=0, back_to_back=5, min_sample_s=0.02)
+    assert waits == [5, 20, 20, 20] and per_call == pytest.approx(1e-3)  # the 5-call probe, then 20 a sample
+    waits.clear()
+    bench.timeit(call, 1.0, reps=2, warmup=0, back_to_back=5, min_sample_s=10.0)
+    most = sys.modules[bench.timeit.__module__].MAX_CALLS_PER_SAMPLE
+    assert waits == [5, most, most]
+    waits.clear()
+    bench.timeit(call, 1.0, reps=2, warmup=0, back_to_back=30, min_sample_s=0.02)  # long enough already
+    assert waits == [30, 30]

@@ -215,8 +215,6 @@ _FUSED_SINCE = ("dropout", "soft_cap")
 # float32 on GPUs runs 32-key Triton dK/dV blocks and XLA blocks up to 2048 since this run (1 H200, jax 0.11.2):
 # the H200's float32 rows of earlier files time what no longer runs, and its calibration holds the new ones
 _H200_FLOAT32_SINCE = "2026-12-03T15"
-_H200_FLOAT32 = ("benchmarks/results/nvidia-h200_2026-12-03_coverage_float32.jsonl",
-                 "benchmarks/results/nvidia-h200_2026-12-03_precision.jsonl")
 _H200_FLOAT32_BWD_XLA = ("benchmarks/results/nvidia-h200_2026-12-03_coverage_float32_bwd_xla.jsonl",
                          "benchmarks/results/nvidia-h200_2026-12-03_precision_bwd_xla.jsonl")
 
@@ -324,11 +322,12 @@ def test_coverage_candidates_judge_the_shipped_calibration(path, kind, count, wi
 
 def test_h200_float32_runs_the_measured_fastest():
     """float32 at jax's default precision on one H200 (jax 0.11.2, 2026-12-03), twice that day. With Triton's split
-    backward in 32-key blocks (`_H200_FLOAT32[0]`, `coverage --candidates`): XLA's forward+backward led, 8K causal
-    30.5 against 36.4 ms, 32K about 405 against 542. With Triton's forward and XLA's backward (`bwd_xla`, its
-    float32 default since; `_H200_FLOAT32_BWD_XLA`): Triton 26.2 / 355 ms against XLA's 30.3 / 410, where auto,
-    priced on the first run, ran XLA. The calibration holds both implementations of the second run (`calibrate
-    --candidates`), prices its rows within 10%, and picks Triton, the fastest measured, at both lengths."""
+    backward in 32-key blocks (`nvidia-h200_2026-12-03_coverage_float32.jsonl`, `coverage --candidates`): XLA's
+    forward+backward led, 8K causal 30.5 against 36.4 ms, 32K about 405 against 542. With Triton's forward and
+    XLA's backward (`bwd_xla`, its float32 default since; `_H200_FLOAT32_BWD_XLA`): Triton 26.2 / 355 ms against
+    XLA's 30.3 / 410, where auto, priced on the first run, ran XLA. The calibration holds both implementations of
+    the second run (`calibrate --candidates`), prices its rows within 10%, and picks Triton, the fastest measured,
+    at both lengths."""
     calibration = costs.load(H200)
     for path in _H200_FLOAT32_BWD_XLA:
         for result in map(json.loads, open(path)):

@@ -71,10 +71,10 @@ def kernel_row(result: Mapping[str, Any], source: str) -> dict[str, Any] | None:
     return row
 
 
-def candidate_rows(result: Mapping[str, Any], source: str) -> list[dict[str, Any]]:
+def candidate_rows(result: Mapping[str, Any], source: str, row: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The rows of every implementation a `coverage --candidates` line timed beside auto's (each with the config
-    it runs by itself), auto's own included; [] for any other line."""
-    row = kernel_row(result, source)
+    it runs by itself), auto's own included; [] for any other line. `row`: the line's `kernel_row`, if computed."""
+    row = kernel_row(result, source) if row is None else row
     if row is None or "candidates" not in result:
         return []
     others = [{**row, "implementation": name, "fwd_ms": c["fwd_ms"], "fwd_bwd_ms": c["fwd_bwd_ms"],
@@ -95,9 +95,8 @@ def rows_from_results(paths: Iterable[str | Path], candidates: bool = False) -> 
                 continue
             result = json.loads(line)
             source = f"benchmarks/results/{path.name}"
-            found = candidate_rows(result, source) if candidates else []
             row = kernel_row(result, source)
-            found = found or ([row] if row is not None else [])
+            found = [] if row is None else (candidate_rows(result, source, row) if candidates else []) or [row]
             if found:
                 kinds.add(result["device_kind"])
                 rows.extend(found)

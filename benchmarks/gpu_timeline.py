@@ -1,0 +1,82 @@
+"""The GPU's own timeline of ringjax's forward on the coverage suite's masks: kernel time per call, by kernel.
+
+    python3 benchmarks/gpu_timeline.py --seqs 8192,32768 --out timeline.jsonl
+
+For each feature (the `coverage` suite's keywords, bf16, batch 1, 32 q / 8 kv heads, head_dim 128, causal): 3
+warm-up calls, then 10 calls back to back under `jax.profiler.trace`; from its Perfetto trace, the span from the
+first kernel's start to the last one's end and the summed kernel time, per call, and the longest kernels by name.
+Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--implementation
+xla --seqs 512` checks the script on CPU (its "device" is then the host's thread pool).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench  # noqa: E402
+
+from common import Shape, random_inputs  # noqa: E402
+
+FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
+CALLS = 10
+
+
+def kernel_times(trace: Path) -> tuple[float, float, collections.Counter]:
+    """(span us, busy us, us by kernel name) of the device events of a Perfetto trace, over `CALLS` calls."""
+    events = json.load(gzip.open(trace))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "/device:" in name}
+    device = device or {pid for pid, name in names.items() if "python" not in name.lower()}  # CPU: the host pool
+    spans = [e for e in events if e.get("ph") == "X" and e.get("pid") in device]
+    by_name: collections.Counter = collections.Counter()
+    for e in spans:
+        by_name[e["name"]] += e.get("dur", 0) / CALLS
+    start, end = min(e["ts"] for e in spans), max(e["ts"] + e.get("dur", 0) for e in spans)
+    return (end - start) / CALLS, sum(by_name.values()), by_name
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", default="8192", help="comma-separated lengths (default 8192)")
+    p.add_argument("--features", default=",".join(FEATURES), help=f"default {','.join(FEATURES)}")
+    p.add_argument("--implementation", default="pallas_mosaic_gpu")
+    p.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
+    args = p.parse_args(argv)
+    shape = Shape(1, 32, 8, 128, "bfloat16")
+    for t in map(int, args.seqs.split(",")):
+        features = {f[0]: f for f in bench.coverage_features(shape, t, argparse.Namespace(window=1024, chunk=2048))}
+        q, k, v, _ = random_inputs(shape, t)
+        for name in args.features.split(","):
+            fwd = jax.jit(bench.ringjax_attention(args.implementation, True, **features[name][2]))
+            for _ in range(3):
+                fwd(q, k, v).block_until_ready()
+            with tempfile.TemporaryDirectory() as d:
+                with jax.profiler.trace(d, create_perfetto_trace=True):
+                    outs = [fwd(q, k, v) for _ in range(CALLS)]
+                    jax.block_until_ready(outs)
+                span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
+            row = {"exp": "timeline", "feature": name, "T": t, "causal": True, "implementation": args.implementation,
+                   "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
+                   "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
+                   "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+            print(json.dumps(row), flush=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
