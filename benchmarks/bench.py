@@ -766,7 +766,10 @@ def title(rows: list[dict]) -> str:
     case = next((x["case"] for x in rows if x["case"].get("feature", "plain") == "plain"), r["case"])
     shape = Shape(**{f.name: case[f.name] for f in dataclasses.fields(Shape)}).describe()
     runs = sorted({x.get("options", {}).get("back_to_back") or 1 for x in rows})
-    timing = "" if runs == [1] else f"; timed {' / '.join(map(str, runs))} calls back to back per sample"
+    floors = sorted({x.get("options", {}).get("sample_ms") or 0 for x in rows} - {0})
+    parts = ([] if runs == [1] else [f"timed {' / '.join(map(str, runs))} calls back to back per sample"]) + (
+        [f"samples of at least {' / '.join(f'{f:g}' for f in floors)} ms"] if floors else [])
+    timing = "; " + ", ".join(parts) if parts else ""
     return (f"**{r['device_kind']} x{r['device_count']}**, jax {r['jax']}, ringjax {r['ringjax']}, "
             f"{r['time'][:10]} (UTC); {shape}{timing}")
 

@@ -376,3 +376,25 @@ def test_short_calls_take_more_calls_per_sample(bench, monkeypatch):
     waits.clear()
     bench.timeit(call, 1.0, reps=2, warmup=0, back_to_back=30, min_sample_s=0.02)  # long enough already
     assert waits == [30, 30]
+
+
+def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
+    """benchmarks/gpu_timeline.py: of a Perfetto trace, only the device's kernels count, per call of CALLS."""
+    import gzip
+
+    spec = importlib.util.spec_from_file_location("gpu_timeline", ROOT / "benchmarks" / "gpu_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    n = timeline.CALLS
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 2, "name": "python", "ts": 0, "dur": 10_000}]
+    for i in range(n):  # per call: a 100 us kernel, then a 5 us one, 20 us apart
+        events += [{"ph": "X", "pid": 1, "name": "attention", "ts": 200 * i, "dur": 100},
+                   {"ph": "X", "pid": 1, "name": "tables", "ts": 200 * i + 120, "dur": 5}]
+    trace = tmp_path / "perfetto_trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    span, busy, by_name = timeline.kernel_times(trace)
+    assert busy == pytest.approx(105) and by_name["attention"] == pytest.approx(100) and "python" not in by_name
+    assert span == pytest.approx((200 * (n - 1) + 125) / n)
