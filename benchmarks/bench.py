@@ -1188,7 +1188,27 @@ TINY_SHAPE = {"batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 32, "dtype": "b
 
 
 def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """Comma-separated positive ints (argparse type)."""
+    values = [int(x) for x in text.split(",") if x]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def at_least(kind, low, what: str):
+    """An argparse type: `kind(text)`, refused below `low` as "expected `what`"."""
+
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid int value" message
+    return parse
+
+
+POSITIVE_INT, COUNT_INT = at_least(int, 1, "an integer >= 1"), at_least(int, 0, "an integer >= 0")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1196,16 +1216,17 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--implementation", default="auto",
                         help="ringjax implementation: auto (default) or a registered name such as pallas_mosaic_gpu, "
                              "pallas_triton, xla (see `python -m ringjax implementations`)")
-    common.add_argument("--reps", type=int, help="timed calls per measurement, median kept (default 10; --tiny 2)")
-    common.add_argument("--warmup", type=int, help="untimed calls first, the compiling one included (default 2; "
+    common.add_argument("--reps", type=POSITIVE_INT,
+                        help="timed calls per measurement, median kept (default 10; --tiny 2)")
+    common.add_argument("--warmup", type=COUNT_INT, help="untimed calls first, the compiling one included (default 2; "
                                                    "--tiny 1)")
-    common.add_argument("--budget", type=float, default=10.0,
+    common.add_argument("--budget", type=at_least(float, 0.0, "seconds >= 0"), default=10.0,
                         help="seconds of timed calls per measurement: slow cases get fewer reps (default 10)")
-    common.add_argument("--back-to-back", type=int,
+    common.add_argument("--back-to-back", type=POSITIVE_INT,
                         help="calls per timed sample, dispatched without a host sync between them as a training "
                              "loop runs them; the time per call is kept (default 5; million and --tiny 1). 1 syncs "
                              "every call, which adds the host's dispatch and wait (about 0.2 ms on an H200) to it")
-    common.add_argument("--sample-ms", type=float,
+    common.add_argument("--sample-ms", type=at_least(float, 0.0, "milliseconds >= 0"),
                         help="shortest timed sample: where --back-to-back calls take less, a sample takes as many "
                              "calls as last this long, so that its one wait and first dispatch (about 0.4 ms on an "
                              "H200) weigh little on short calls (default 20; --tiny 0, which keeps --back-to-back)")
@@ -1217,7 +1238,7 @@ def parser() -> argparse.ArgumentParser:
     for flag, kind in (("--batch", int), ("--heads", int), ("--kv-heads", int), ("--head-dim", int), ("--dtype", str)):
         shape.add_argument(flag, type=kind)
     multi = argparse.ArgumentParser(add_help=False)
-    multi.add_argument("--devices", type=int, help="local devices to use (default: all)")
+    multi.add_argument("--devices", type=POSITIVE_INT, help="local devices to use (default: all)")
 
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1238,7 +1259,7 @@ def parser() -> argparse.ArgumentParser:
                                 "rows carry 'variant' (step: and 'round'), and are meant for --out "
                                 "benchmarks/results/checks")
         if name == "step":
-            s.add_argument("--rounds", type=int, default=2,
+            s.add_argument("--rounds", type=POSITIVE_INT, default=2,
                            help="with --variant: interleaved rounds of the default and every variant (default 2)")
             s.add_argument("--masks", choices=tuple(STEP_MASKS), default="both",
                            help="the causal cases, the full (not causal) ones, or both (default)")

@@ -398,3 +398,12 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
     span, busy, by_name = timeline.kernel_times(trace)
     assert busy == pytest.approx(105) and by_name["attention"] == pytest.approx(100) and "python" not in by_name
     assert span == pytest.approx((200 * (n - 1) + 125) / n)
+
+
+@pytest.mark.parametrize("flag,value", [("--back-to-back", "0"), ("--sample-ms", "-1"), ("--reps", "0"),
+                                        ("--warmup", "-1"), ("--budget", "-2"), ("--seqs", "0,8192"), ("--seqs", ",")])
+def test_timing_options_refuse_values_that_cannot_time(bench, capsys, flag, value):
+    """A count or duration that could not time anything is an argparse error naming the option, before any work."""
+    with pytest.raises(SystemExit):
+        bench.parser().parse_args(["step", flag, value])
+    assert flag in capsys.readouterr().err
