@@ -85,6 +85,13 @@ CASES = {
     "2dev_zigzag_causal_segments": (2, "zigzag", dict(seq=64, segments="random"), dict(causal=True)),
     # per-document chunks, run as segments numbering (document, chunk) pairs
     "2dev_striped_chunked_documents": (2, "striped", dict(seq=64, segments="random"), dict(causal=True, chunk_size=5)),
+    # chunks without documents: ids position // chunk_size, as segments (kernels.chunks_as_segments); 4 shards of
+    # 16, chunks of 12 (so the ring plan skips none) and of 16 (it runs 2 of 4 steps)
+    "4dev_zigzag_chunked_causal_gqa": (
+        4, "zigzag", dict(seq=64, heads=4, kv_heads=2), dict(causal=True, chunk_size=12)
+    ),
+    "4dev_contiguous_chunked_skips_steps": (4, "contiguous", dict(seq=64, batch=1), dict(causal=True, chunk_size=16)),
+    "1dev_chunked_bidirectional": (1, "contiguous", dict(seq=32, dtype="bfloat16"), dict(chunk_size=6)),
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),
@@ -229,7 +236,6 @@ class _FutureOptions(AttentionOptions):
         (_problem("tpu", dtype="float16"), "dtype float16 is not supported"),
         (_problem("tpu", head_dim=80), "head_dim 80 is not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
-        (_problem("tpu", opts=AttentionOptions(chunk_size=4)), "(`chunk_size`) is not implemented"),
         (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "(`alibi_slopes`) is not implemented"),
         (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "`dropout_rng`) is not implemented"),
         (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "(`num_sink_tokens`) is not implemented"),
@@ -410,3 +416,17 @@ def test_a_users_call_on_8_devices_gives_a_result_or_a_refusal_never_an_abort(th
         assert "on 8 devices" in why and "cores" in why and "PJRT_NPROC=16" in why, why
     else:
         assert result["max_error"] < 1e-5, result
+
+
+def test_plain_chunks_keep_to_the_step_ring():
+    """chunk_size without segment_ids runs as segments in the step ring's kernels; the fused ring, which builds
+    its mask tiles itself, is left out of the candidates and refused by name when asked for."""
+    ring = AttentionOptions(causal=True, chunk_size=16, axis_name="sp", axis_size=4)
+    problem = _problem("tpu", opts=ring, seq=64)
+    assert IMPLEMENTATION.supports(problem) is None
+    assert not any(c.fused for c in IMPLEMENTATION.candidate_configs(problem))
+    assert any(c.fused for c in IMPLEMENTATION.candidate_configs(_problem("tpu", opts=dataclasses.replace(
+        ring, chunk_size=None), seq=64)))
+    q = jnp.ones((1, 64, 4, 64), jnp.float32)
+    with pytest.raises(ValueError, match="fused=True cannot run this call: chunk_size without segment_ids"):
+        IMPLEMENTATION.run(problem, TpuConfig(fused=True), q, q, q, None, None, None, Extras())

@@ -139,7 +139,7 @@ class TpuImplementation:
             TpuConfig(block_q=bq, block_kv=bk, fused=fused, interpret=self.interpret)
             for bq in sizes((128, 256, 512, 1024))
             for bk in sizes((256, 512, 1024, 2048))
-            for fused in (False, True)
+            for fused in ((False,) if _fused_refusal(problem) else (False, True))
             if bq * problem.gqa_ratio <= 4096
         )
         return [c for c in configs
@@ -155,12 +155,23 @@ class TpuImplementation:
             raise ValueError(f"{self.name}: {config} needs about {need} bytes of VMEM with blocks {used.block_q} x "
                              f"{used.block_kv}, more than the {VMEM_BUDGET} a kernel gets; use smaller blocks or "
                              "leave config=None")
+        if config.fused and _fused_refusal(problem):
+            raise ValueError(f"{self.name}: fused=True cannot run this call: {_fused_refusal(problem)}; use "
+                             "fused=False or leave config=None")
         # a device with no ring axis (axis_name=None, e.g. after a Ulysses all-to-all) has nothing to move
         if config.fused and problem.opts.axis_name is not None:
             kernel = INTERPRETED_FUSED_KERNEL if config.interpret else FUSED_KERNEL
         else:
             kernel = INTERPRETED_KERNEL if config.interpret else KERNEL
         return ring_attention_shard(problem.opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+def _fused_refusal(problem: Problem) -> str | None:
+    """Why the fused ring (`TpuConfig(fused=True)`) cannot run this call, or None."""
+    opts = problem.opts
+    if opts.chunk_size is not None and not opts.has_segments and opts.axis_name is not None:
+        return "chunk_size without segment_ids runs on the step ring's kernels only"
+    return None
 
 
 IMPLEMENTATION = TpuImplementation()

@@ -333,9 +333,22 @@ def _k_spec(tl: Tiling, q_first: bool, width: int):
     return pl.BlockSpec((None, None, tl.block_kv, width), grid_order(q_first)(lambda b, h, i, j: (b, h, j, 0)))
 
 
+def chunks_as_segments(opts: AttentionOptions, batch: int, *infos: TokenInfo):
+    """(opts, *infos) with chunks (`chunk_size` without `segment_ids`) as segment ids numbering them, position //
+    chunk_size: the kernels then compare an id per score instead of dividing two positions; the ring's plan
+    keeps the chunks (it runs only the steps they reach). Per-document chunks come as segments already."""
+    if opts.chunk_size is None or opts.has_segments:
+        return (opts, *infos)
+    c = opts.chunk_size
+    ids = [info._replace(seg=jnp.broadcast_to((info.pos // c).astype(jnp.int32)[None], (batch, info.pos.shape[0])))
+           for info in infos]
+    return (dataclasses.replace(opts, chunk_size=None, has_segments=True), *ids)
+
+
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: TpuConfig):
     """One ring step forward: (out f32 [B,T,H,Dv], lse f32 [B,H,T])."""
     _, pltpu = _pallas()
+    opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
     tl = tiling(q, k, v, opts, config)
     meta = token_meta(q_info, [k_info], tl)
     b, kvh, g, t, d, dv = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim, tl.v_head_dim
@@ -423,6 +436,7 @@ def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> 
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
               config: TpuConfig):
     """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
+    opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
     tl = tiling(q, k, v, opts, config)
     meta = token_meta(q_info, [k_info], tl)
     d, d_v = tl.head_dim, tl.v_head_dim
