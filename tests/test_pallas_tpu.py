@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import ringjax
+from ringjax import _compat
 from ringjax.core.masks import Extras
 from ringjax.dispatch import registry
 from ringjax.options import AttentionOptions
@@ -92,6 +93,22 @@ CASES = {
     ),
     "4dev_contiguous_chunked_skips_steps": (4, "contiguous", dict(seq=64, batch=1), dict(causal=True, chunk_size=16)),
     "1dev_chunked_bidirectional": (1, "contiguous", dict(seq=32, dtype="bfloat16"), dict(chunk_size=6)),
+    # ALiBi: a slope per query head (a column over the G heads of a tile's rows), its gradient summed in dQ's kernel
+    "2dev_zigzag_alibi_gqa_window": (
+        2, "zigzag", dict(seq=64, heads=4, kv_heads=2, alibi=True), dict(causal=True, sliding_window=20)
+    ),
+    "1dev_alibi_bidirectional_softcap_bf16": (
+        1, "contiguous", dict(seq=32, alibi=True, dtype="bfloat16"), dict(logits_soft_cap=3.0)
+    ),
+    "4dev_striped_alibi_segments_sinks": (
+        4, "striped", dict(seq=64, batch=1, alibi=True, sinks=True, segments="random"), dict(causal=True)
+    ),
+    # dropout: the shared counter-based hash on each tile's positions, a key per (batch row, query head)
+    "2dev_zigzag_dropout_gqa": (2, "zigzag", dict(seq=64, dropout_key=7), dict(causal=True, dropout_rate=0.3)),
+    "1dev_dropout_alibi_segments_bf16": (
+        1, "contiguous", dict(seq=32, dropout_key=11, alibi=True, segments="random", dtype="bfloat16"),
+        dict(dropout_rate=0.2)
+    ),
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),
@@ -236,8 +253,6 @@ class _FutureOptions(AttentionOptions):
         (_problem("tpu", dtype="float16"), "dtype float16 is not supported"),
         (_problem("tpu", head_dim=80), "head_dim 80 is not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
-        (_problem("tpu", opts=AttentionOptions(has_alibi=True)), "(`alibi_slopes`) is not implemented"),
-        (_problem("tpu", opts=AttentionOptions(dropout_rate=0.1)), "`dropout_rng`) is not implemented"),
         (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "(`num_sink_tokens`) is not implemented"),
         (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule is not implemented"),
     ],
@@ -287,19 +302,26 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
     spec = P(None, "sp")
     has_seg = options.has_segments
 
-    def per_device(q, k, v, seg, w):
-        def loss(q, k, v):
-            out, lse = IMPLEMENTATION.run(problem, config, q, k, v, seg, seg, None, Extras())
+    def per_device(q, k, v, seg, w, slopes):
+        if slopes is not None:  # as ring_attention hands them on: varying like the queries
+            slopes = _compat.match_vma(slopes, q)
+
+        def loss(q, k, v, slopes):
+            seed = jnp.array([3, 5], jnp.uint32) if options.dropout_rate else None
+            out, lse = IMPLEMENTATION.run(problem, config, q, k, v, seg, seg, None,
+                                          Extras(alibi_slopes=slopes, dropout_seed=seed))
             return (out.astype(jnp.float32) * w).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
 
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v, slopes)
 
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, spec if has_seg else None, spec),
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, spec if has_seg else None, spec,
+                                                        P() if options.has_alibi else None),
                        out_specs=(spec, spec, spec))
     sharded = NamedSharding(mesh, spec)
     arg = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharded)  # noqa: E731
     args = (arg((b, t * n, h, d), dtype), arg((b, t * n, kvh, d), dtype), arg((b, t * n, kvh, d), dtype),
-            arg((b, t * n), jnp.int32) if has_seg else None, arg((b, t * n, h, d), jnp.float32))
+            arg((b, t * n), jnp.int32) if has_seg else None, arg((b, t * n, h, d), jnp.float32),
+            jax.ShapeDtypeStruct((h,), jnp.float32, sharding=NamedSharding(mesh, P())) if options.has_alibi else None)
     with jax.set_mesh(mesh):
         exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
     return exported.mlir_module()
@@ -311,9 +333,13 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
     [
         (4, jnp.bfloat16, dict(causal=True, layout="zigzag", has_segments=True, logits_soft_cap=30.0)),
         (2, jnp.float32, dict(window=(100, 10))),
+        # the step ring only: chunks as segment ids, ALiBi's slope column and dropout's keys (`_fused_refusal`)
+        (2, jnp.bfloat16, dict(causal=True, chunk_size=96, has_alibi=True, dropout_rate=0.1)),
     ],
 )
 def test_kernels_lower_for_tpu(n, dtype, opts, fused):
+    if fused and (opts.get("chunk_size") or opts.get("has_alibi")):
+        pytest.skip("the fused ring refuses plain chunks, ALiBi and dropout")
     text = _export_ring_for_tpu(n, dtype, TpuConfig(block_q=128, block_kv=128, fused=fused), **opts)
     # both cases run the full ring: per step one forward kernel and two backward kernels (dK/dV, dQ),
     # or one fused kernel per direction for the whole ring
@@ -418,15 +444,17 @@ def test_a_users_call_on_8_devices_gives_a_result_or_a_refusal_never_an_abort(th
         assert result["max_error"] < 1e-5, result
 
 
-def test_plain_chunks_keep_to_the_step_ring():
-    """chunk_size without segment_ids runs as segments in the step ring's kernels; the fused ring, which builds
-    its mask tiles itself, is left out of the candidates and refused by name when asked for."""
-    ring = AttentionOptions(causal=True, chunk_size=16, axis_name="sp", axis_size=4)
-    problem = _problem("tpu", opts=ring, seq=64)
+@pytest.mark.parametrize("kw, why", [(dict(chunk_size=16), "chunk_size without segment_ids"),
+                                     (dict(has_alibi=True), "ALiBi"), (dict(dropout_rate=0.1), "ALiBi and dropout")])
+def test_step_ring_only_features_keep_off_the_fused_ring(kw, why):
+    """Plain chunks (segment ids made per step) and ALiBi (a slope column per step) run in the step ring's
+    kernels; the fused ring, which builds its tiles itself, is left out of the candidates and refused by name
+    when asked for."""
+    ring = AttentionOptions(causal=True, axis_name="sp", axis_size=4)
+    problem = _problem("tpu", opts=dataclasses.replace(ring, **kw), seq=64)
     assert IMPLEMENTATION.supports(problem) is None
     assert not any(c.fused for c in IMPLEMENTATION.candidate_configs(problem))
-    assert any(c.fused for c in IMPLEMENTATION.candidate_configs(_problem("tpu", opts=dataclasses.replace(
-        ring, chunk_size=None), seq=64)))
+    assert any(c.fused for c in IMPLEMENTATION.candidate_configs(_problem("tpu", opts=ring, seq=64)))
     q = jnp.ones((1, 64, 4, 64), jnp.float32)
-    with pytest.raises(ValueError, match="fused=True cannot run this call: chunk_size without segment_ids"):
+    with pytest.raises(ValueError, match=f"fused=True cannot run this call: {why}"):
         IMPLEMENTATION.run(problem, TpuConfig(fused=True), q, q, q, None, None, None, Extras())

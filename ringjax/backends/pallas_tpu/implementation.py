@@ -18,7 +18,7 @@ from ringjax.backends.pallas_tpu.kernels import block_bwd, block_fwd
 from ringjax.core.problem import Problem, check_interpret
 from ringjax.core.ring import BlockKernel, ring_attention_shard
 
-KERNEL = BlockKernel.without_extras("pallas_tpu", block_fwd, block_bwd)
+KERNEL = BlockKernel("pallas_tpu", block_fwd, block_bwd)
 # The interpreter holds every device at a barrier in each kernel, so no kernel may sit
 # inside lax.cond: the ring runs every step and the kernel skips empty tiles itself.
 INTERPRETED_KERNEL = dataclasses.replace(KERNEL, name="pallas_tpu_interpret", skips_empty_steps=True)
@@ -169,8 +169,12 @@ class TpuImplementation:
 def _fused_refusal(problem: Problem) -> str | None:
     """Why the fused ring (`TpuConfig(fused=True)`) cannot run this call, or None."""
     opts = problem.opts
-    if opts.chunk_size is not None and not opts.has_segments and opts.axis_name is not None:
+    if opts.axis_name is None:
+        return None  # no ring: the step kernels run
+    if opts.chunk_size is not None and not opts.has_segments:
         return "chunk_size without segment_ids runs on the step ring's kernels only"
+    if opts.has_alibi or opts.dropout_rate > 0:
+        return "ALiBi and dropout run on the step ring's kernels only"
     return None
 
 

@@ -27,7 +27,7 @@ from jax import lax
 from ringjax import _compat
 from ringjax.backends.pallas_tpu.config import TpuConfig, block_size, sublanes
 from ringjax.core import masks, modifiers
-from ringjax.core.masks import BlockRange, TokenInfo
+from ringjax.core.masks import BlockRange, Extras, TokenInfo
 from ringjax.core.operands import Operands, Refs
 from ringjax.core.tiles import Tiling, block_ranges, matmul_precision
 from ringjax.merge import finish, finite_or_zero
@@ -224,6 +224,10 @@ class MetaRefs:
         k_rng = BlockRange(kr[kb + j], kr[kb + nk + j], ks[sb + b * nk + j], ks[sb + nb * nk + b * nk + j])
         return q_rng, k_rng
 
+    def distance(self):
+        """ALiBi's distance of the current tile pair, -|i - j| as float32 [bq, bk] (`modifiers`)."""
+        return modifiers.alibi_distance_pairs(self.tile_refs[0][...], self.tile_refs[1][...])
+
     def visible(self, opts: AttentionOptions):
         """Exact mask of the current tile pair, bool [bq, bk]."""
         qpos, kpos = self.tile_refs[0][...], self.tile_refs[1][...]
@@ -250,16 +254,81 @@ def mask_rows(x, vis, groups, fill):
     return jnp.where(vis[None], x3, fill).reshape(rows, bk)
 
 
+def alibi_bias(s, r, meta: MetaRefs, tl: Tiling):
+    """[G * bq, bk] logits plus ALiBi's slope x distance (a no-op without ALiBi), and the distance tile of
+    its rows (None without): each of the G query heads of the rows has its slope in the `slopes` column."""
+    slopes = r.get("slopes")
+    if slopes is None:
+        return s, None
+    dist = meta.distance()
+    rows = (slopes[...].reshape(tl.groups, tl.block_q, 1) * dist[None]).reshape(s.shape)
+    return s + rows, dist
+
+
+def dropped(x, r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling):
+    """[G * bq, bk] `x` times keep / (1 - rate) by dropout's counter-based hash (`modifiers`), applied to P (and
+    to dP in the backward); `x` itself without dropout. Each of the G query heads of the rows has its key
+    (seed, batch, head) in `dropout_keys`; the positions come from the mask tiles."""
+    keys = r.get("dropout_keys") if r is not None else None
+    if keys is None:
+        return x
+    qpos, kpos = meta.tile_refs[0][...], meta.tile_refs[1][...]
+    q_term, k_term = modifiers.dropout_terms(keys[...], qpos[None], kpos[None])  # [1, bq, 1], [G, 1, bk]
+    keep = modifiers.dropout_keep_terms(opts.dropout_rate, q_term, k_term).reshape(x.shape)
+    return jnp.where(keep, x * (1.0 / (1.0 - opts.dropout_rate)), 0.0)
+
+
+def key_spec(tl: Tiling, q_first: bool):
+    """The [G, 1, 1] dropout keys of a tile's query heads, of [B, KVH, G, 1, 1]."""
+    pl, _ = _pallas()
+    return pl.BlockSpec((None, None, tl.groups, 1, 1), grid_order(q_first)(lambda b, h, i, j: (b, h, 0, 0, 0)))
+
+
+def dropout_keys(extras: Extras, tl: Tiling):
+    """uint32 [B, KVH, G, 1, 1]: the hash's key of each (batch row, query head), seed and global head folded
+    in (`modifiers.dropout_key`)."""
+    batch = jnp.arange(tl.batch, dtype=jnp.int32)[:, None]
+    heads = jnp.arange(tl.heads, dtype=jnp.int32)[None, :]
+    seed = extras.dropout_seed
+    key = modifiers.dropout_key(seed[0], seed[1], modifiers.dropout_batch_head(extras.head_slice, batch, heads,
+                                                                              tl.heads))
+    return key.reshape(tl.batch, tl.kv_heads, tl.groups, 1, 1)
+
+
+def extra_operands(ins: Operands, extras: Extras, tl: Tiling, q_first: bool) -> Operands:
+    """`ins` with ALiBi's slope column and dropout's keys where the call has them."""
+    if extras.alibi_slopes is not None:
+        ins.add("slopes", slope_rows(extras, tl), slope_spec(tl, q_first))
+    if extras.dropout_seed is not None:
+        ins.add("dropout_keys", dropout_keys(extras, tl), key_spec(tl, q_first))
+    return ins
+
+
+def slope_spec(tl: Tiling, q_first: bool):
+    """[G, bq, 1] tiles of the per-row slopes [KVH, G, bq, 1] (the same for every query tile)."""
+    pl, _ = _pallas()
+    return pl.BlockSpec((None, tl.groups, tl.block_q, 1), grid_order(q_first)(lambda b, h, i, j: (h, 0, 0, 0)))
+
+
+def slope_rows(extras: Extras, tl: Tiling):
+    """ALiBi's slopes [H] as the column the query tiles read, [KVH, G, bq, 1] float32."""
+    slopes = extras.alibi_slopes.astype(jnp.float32).reshape(tl.kv_heads, tl.groups, 1, 1)
+    return jnp.broadcast_to(slopes, (tl.kv_heads, tl.groups, tl.block_q, 1))
+
+
 # ---------------------------------------------------------------- forward
 
 
 def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRefs, opts: AttentionOptions,
-                        tl: Tiling):
-    """Fold one K/V tile into the running max m, denominator l and unnormalised output acc."""
+                        tl: Tiling, r=None):
+    """Fold one K/V tile into the running max m, denominator l and unnormalised output acc; `r`: the kernel's
+    refs, for ALiBi's slopes and dropout's keys (None: neither)."""
     prec = matmul_precision(q_ref.dtype)
     q = q_ref[...].reshape(tl.rows, tl.head_dim)
     v = v_ref[...]
     s = modifiers.logits(_dot(q, k_ref[...], _NT, prec), opts)
+    if r is not None:
+        s, _ = alibi_bias(s, r, meta, tl)
     if masks.may_skip(opts):
         s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
     m_prev = m_ref[...].reshape(tl.rows, 1)
@@ -267,9 +336,11 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     m_safe = finite_or_zero(m_new)  # rows with no key yet
     p = jnp.exp(s - m_safe)  # exactly 0 where masked
     alpha = jnp.exp(m_prev - m_safe)
+    # dropout leaves the normaliser whole
     l_ref[...] = (alpha * l_ref[...].reshape(tl.rows, 1) + p.sum(axis=1, keepdims=True)).reshape(l_ref.shape)
     m_ref[...] = m_new.reshape(m_ref.shape)
-    acc = alpha * acc_ref[...].reshape(tl.rows, tl.v_head_dim) + _dot(p.astype(v.dtype), v, _NN, prec)
+    pv = _dot(dropped(p, r, meta, opts, tl).astype(v.dtype), v, _NN, prec)
+    acc = alpha * acc_ref[...].reshape(tl.rows, tl.v_head_dim) + pv
     acc_ref[...] = acc.reshape(acc_ref.shape)
 
 
@@ -285,7 +356,7 @@ def _fwd_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
         r.l[...] = jnp.zeros(r.l.shape, jnp.float32)
         r.acc[...] = jnp.zeros(r.acc.shape, jnp.float32)
 
-    when_visible(opts, meta, b, i, j, lambda: online_softmax_step(r.q, r.k, r.v, r.m, r.l, r.acc, meta, opts, tl))
+    when_visible(opts, meta, b, i, j, lambda: online_softmax_step(r.q, r.k, r.v, r.m, r.l, r.acc, meta, opts, tl, r))
 
     @pl.when(j == tl.num_kv - 1)
     def _finish():
@@ -345,7 +416,8 @@ def chunks_as_segments(opts: AttentionOptions, batch: int, *infos: TokenInfo):
     return (dataclasses.replace(opts, chunk_size=None, has_segments=True), *ids)
 
 
-def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions, config: TpuConfig):
+def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions,
+              config: TpuConfig):
     """One ring step forward: (out f32 [B,T,H,Dv], lse f32 [B,H,T])."""
     _, pltpu = _pallas()
     opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
@@ -355,6 +427,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
     ins = (Operands().add("q", heads_major(q, kvh), q_spec(tl, d, True))
            .add("k", kv_major(k), _k_spec(tl, True, d)).add("v", kv_major(v), _k_spec(tl, True, dv))
            .add_group("tiles", meta.tiles, meta_specs(tl, True)))
+    extra_operands(ins, extras, tl, True)
     outs = (Operands().add("out", ((b, kvh, g, t, dv), jnp.float32), q_spec(tl, dv, True))
             .add("lse", ((b, kvh, g, t, 1), jnp.float32), q_spec(tl, 1, True)))
     scratch = (Operands().add("m", pltpu.VMEM((tl.rows, 1), jnp.float32))
@@ -367,14 +440,19 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOpti
 # ---------------------------------------------------------------- backward
 
 
-def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec):
-    """P and dS = P * (dP - delta) * dlogits/dqk for one tile pair, both [G*bq, bk] f32."""
+def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec, r):
+    """(P as dV takes it, dS, dS by the logits, ALiBi's distance tile or None) for one tile pair, [G*bq, bk] f32:
+    dS = P * (dP - delta) * dlogits/dqk, by the logits (ALiBi's slope gradient sums it times the distance)
+    without the last factor; with dropout, P and dP are the kept ones scaled."""
     s, slope = modifiers.logits_and_slope(_dot(q, k, _NT, prec), opts)
+    s, dist = alibi_bias(s, r, meta, tl)
     p = jnp.exp(s - lse)
     if masks.may_skip(opts):
         p = mask_rows(p, meta.visible(opts), tl.groups, 0.0)
     dp = _dot(do, v, _NT, prec)
-    return p, p * (dp - delta) * slope
+    # d out / d logit = P * (keep/(1-rate) * dP - delta): dropout enters through dP, and dV takes the dropped P
+    ds_logit = p * (dropped(dp, r, meta, opts, tl) - delta)
+    return dropped(p, r, meta, opts, tl), ds_logit * slope, ds_logit, dist
 
 
 def _load_rows(r, tl: Tiling):
@@ -384,12 +462,15 @@ def _load_rows(r, tl: Tiling):
             r.lse[...].reshape(rows, 1), r.delta[...].reshape(rows, 1))
 
 
-def grad_step(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling, *, dq=None, dk=None, dv=None):
-    """Add one tile pair's contribution to the dQ tile `dq`, or to the dK and dV tiles `dk`, `dv`;
-    `r` names the q, k, v, do, lse, delta refs."""
+def grad_step(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling, *, dq=None, dk=None, dv=None, dslope=None):
+    """Add one tile pair's contribution to the dQ tile `dq` (and with ALiBi to the rows' slope gradient
+    `dslope`), or to the dK and dV tiles `dk`, `dv`; `r` names the q, k, v, do, lse, delta (and slopes) refs."""
     prec = matmul_precision(r.q.dtype)
     q, k, v, do, lse, delta = _load_rows(r, tl)
-    p, ds = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec)
+    p, ds, ds_logit, dist = _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec, r)
+    if dslope is not None:
+        by_row = (ds_logit.reshape(tl.groups, tl.block_q, -1) * dist[None]).sum(axis=2, keepdims=True)
+        dslope[...] += by_row.reshape(dslope.shape)
     if dq is not None:
         dq[...] += _dot(ds.astype(k.dtype), k, _NN, prec).reshape(dq.shape)
     if dk is not None:
@@ -407,6 +488,8 @@ def _grad_kernel(*refs, layout, opts: AttentionOptions, tl: Tiling):
     wrt_q = r.get("dq") is not None
     i, j = (outer, inner) if wrt_q else (inner, outer)
     grads = {"dq": r.dq} if wrt_q else {"dk": r.dk, "dv": r.dv}
+    if wrt_q and r.get("dslope") is not None:
+        grads["dslope"] = r.dslope
 
     @pl.when(inner == 0)
     def _init():
@@ -433,18 +516,20 @@ def backward_operands(tl: Tiling, q, dout, lse, delta, q_first: bool | None) -> 
             .add("delta", rows_major(delta.astype(jnp.float32), kvh), spec(1)))
 
 
-def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, opts: AttentionOptions,
-              config: TpuConfig):
-    """One ring step backward: (dq, dk, dv) float32, from the whole-ring lse and delta."""
+def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
+              opts: AttentionOptions, config: TpuConfig):
+    """One ring step backward: (dq, dk, dv, d alibi_slopes or None) float32, from the whole-ring lse and delta.
+    ALiBi's slope gradient is summed per query row in the dQ kernel, then over rows here."""
     opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
     tl = tiling(q, k, v, opts, config)
     meta = token_meta(q_info, [k_info], tl)
     d, d_v = tl.head_dim, tl.v_head_dim
+    alibi = extras.alibi_slopes is not None
 
     def operands(q_first: bool) -> Operands:
         ins = backward_operands(tl, q, dout, lse, delta, q_first)
         ins.add("k", kv_major(k), _k_spec(tl, q_first, d)).add("v", kv_major(v), _k_spec(tl, q_first, d_v))
-        return ins.add_group("tiles", meta.tiles, meta_specs(tl, q_first))
+        return extra_operands(ins.add_group("tiles", meta.tiles, meta_specs(tl, q_first)), extras, tl, q_first)
 
     # dK, dV: kv tiles outer, q tiles inner; S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q
     outs = Operands()
@@ -455,6 +540,9 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, o
     # dQ: q tiles outer, kv tiles inner; S, dP, dQ += dS K
     dq_shape = ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, d), jnp.float32)
     outs = Operands().add("dq", dq_shape, q_spec(tl, d, True))
-    (dq,) = _launch(_grad_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs, q_first=True,
-                    contracted=2 * d + d_v)
-    return tokens_major(dq), kv_major(dk), kv_major(dv)
+    if alibi:
+        outs.add("dslope", ((tl.batch, tl.kv_heads, tl.groups, tl.q_len, 1), jnp.float32), q_spec(tl, 1, True))
+    dq, *dslope = _launch(_grad_kernel, "ringjax_tpu_bwd_dq", tl, opts, config, meta, operands(True), outs,
+                          q_first=True, contracted=2 * d + d_v)
+    dslopes = dslope[0].sum(axis=(0, 3, 4)).reshape(tl.heads) if alibi else None
+    return tokens_major(dq), kv_major(dk), kv_major(dv), dslopes
