@@ -109,6 +109,14 @@ CASES = {
         1, "contiguous", dict(seq=32, dropout_key=11, alibi=True, segments="random", dtype="bfloat16"),
         dict(dropout_rate=0.2)
     ),
+    # sink tokens: in every step's mask (one device, a two-sided window), and as the ring's own sink step where a
+    # window shortens it (4 shards of 16, window 10: 2 of 4 steps, then the first 64 tokens' sink step)
+    "1dev_sinks_two_sided_window_bf16": (
+        1, "contiguous", dict(seq=32, dtype="bfloat16"), dict(sliding_window=(5, 3), num_sink_tokens=2)
+    ),
+    "4dev_contiguous_sinks_window_shortened": (
+        4, "contiguous", dict(seq=64, batch=1), dict(causal=True, sliding_window=10, num_sink_tokens=3)
+    ),
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),
@@ -253,7 +261,9 @@ class _FutureOptions(AttentionOptions):
         (_problem("tpu", dtype="float16"), "dtype float16 is not supported"),
         (_problem("tpu", head_dim=80), "head_dim 80 is not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
-        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2)), "(`num_sink_tokens`) is not implemented"),
+        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2, chunk_size=8)), "sink tokens with chunk_size"),
+        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
+         "(`num_sink_tokens` with `segment_ids`) is not implemented"),
         (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule is not implemented"),
     ],
 )
@@ -335,11 +345,12 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
         (2, jnp.float32, dict(window=(100, 10))),
         # the step ring only: chunks as segment ids, ALiBi's slope column and dropout's keys (`_fused_refusal`)
         (2, jnp.bfloat16, dict(causal=True, chunk_size=96, has_alibi=True, dropout_rate=0.1)),
+        (2, jnp.float32, dict(causal=True, window=(300, 0), num_sink_tokens=4)),  # sinks in every step's mask
     ],
 )
 def test_kernels_lower_for_tpu(n, dtype, opts, fused):
-    if fused and (opts.get("chunk_size") or opts.get("has_alibi")):
-        pytest.skip("the fused ring refuses plain chunks, ALiBi and dropout")
+    if fused and (opts.get("chunk_size") or opts.get("has_alibi") or opts.get("num_sink_tokens")):
+        pytest.skip("the fused ring refuses plain chunks, ALiBi, dropout and sink tokens")
     text = _export_ring_for_tpu(n, dtype, TpuConfig(block_q=128, block_kv=128, fused=fused), **opts)
     # both cases run the full ring: per step one forward kernel and two backward kernels (dK/dV, dQ),
     # or one fused kernel per direction for the whole ring
@@ -445,7 +456,9 @@ def test_a_users_call_on_8_devices_gives_a_result_or_a_refusal_never_an_abort(th
 
 
 @pytest.mark.parametrize("kw, why", [(dict(chunk_size=16), "chunk_size without segment_ids"),
-                                     (dict(has_alibi=True), "ALiBi"), (dict(dropout_rate=0.1), "ALiBi and dropout")])
+                                     (dict(has_alibi=True), "ALiBi, dropout and sink tokens"),
+                                     (dict(dropout_rate=0.1), "ALiBi, dropout and sink tokens"),
+                                     (dict(num_sink_tokens=2), "ALiBi, dropout and sink tokens")])
 def test_step_ring_only_features_keep_off_the_fused_ring(kw, why):
     """Plain chunks (segment ids made per step) and ALiBi (a slope column per step) run in the step ring's
     kernels; the fused ring, which builds its tiles itself, is left out of the candidates and refused by name

@@ -106,6 +106,9 @@ def fit(config: TpuConfig, groups: int, head_dim: int, dtype: str, budget: int =
 def refusal(problem) -> str | None:
     """Why the TPU kernels cannot run this per-device problem beyond the feature table, or None."""
     dtype, head_dim, seq = problem.dtype, problem.head_dim, problem.seq
+    if problem.opts.num_sink_tokens and problem.opts.chunk_size is not None:
+        return ("sink tokens with chunk_size: the kernels run chunks as segment ids, which would confine the "
+                "sinks to their chunk")
     align = sublanes(dtype)
     if seq % align:
         return f"local sequence length {seq} must be a multiple of {align} for {dtype} (TPU sublane tiling)"

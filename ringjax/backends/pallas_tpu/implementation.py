@@ -173,8 +173,8 @@ def _fused_refusal(problem: Problem) -> str | None:
         return None  # no ring: the step kernels run
     if opts.chunk_size is not None and not opts.has_segments:
         return "chunk_size without segment_ids runs on the step ring's kernels only"
-    if opts.has_alibi or opts.dropout_rate > 0:
-        return "ALiBi and dropout run on the step ring's kernels only"
+    if opts.has_alibi or opts.dropout_rate > 0 or opts.num_sink_tokens:
+        return "ALiBi, dropout and sink tokens run on the step ring's kernels only"
     return None
 
 

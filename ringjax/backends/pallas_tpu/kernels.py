@@ -212,11 +212,14 @@ class MetaRefs:
         self.src = src
 
     def ranges(self, b, i, j) -> tuple[BlockRange, BlockRange]:
+        """Block ranges of query tile i and key tile j; without segments a token's offset (the sink rule's) is its
+        position, so the keys' lowest offset is their lowest position."""
         nq, nk = self.tl.num_q, self.tl.num_kv
         qr, kr = self.scalar_refs[0], self.scalar_refs[1]
         kb = self.src * 2 * nk
         if not self.tl.has_segments:
-            return BlockRange(qr[i], qr[nq + i], None, None), BlockRange(kr[kb + j], kr[kb + nk + j], None, None)
+            k_lo = kr[kb + j]
+            return BlockRange(qr[i], qr[nq + i], None, None), BlockRange(k_lo, kr[kb + nk + j], None, None, k_lo)
         qs, ks = self.scalar_refs[2], self.scalar_refs[3]
         nb = qs.shape[0] // (2 * nq)
         sb = self.src * 2 * nb * nk
@@ -234,7 +237,9 @@ class MetaRefs:
         qseg = kseg = None
         if self.tl.has_segments:
             qseg, kseg = self.tile_refs[2][...], self.tile_refs[3][...]
-        return masks.visible_pairs(opts, qpos, kpos, qseg, kseg)
+        # sink tokens: without segments (with them the backend refuses sinks) an offset is the position
+        offsets = (qpos, kpos) if opts.num_sink_tokens and not self.tl.has_segments else (None, None)
+        return masks.visible_pairs(opts, qpos, kpos, qseg, kseg, *offsets)
 
 
 def when_visible(opts: AttentionOptions, meta: MetaRefs, b, i, j, body):
@@ -408,7 +413,7 @@ def chunks_as_segments(opts: AttentionOptions, batch: int, *infos: TokenInfo):
     """(opts, *infos) with chunks (`chunk_size` without `segment_ids`) as segment ids numbering them, position //
     chunk_size: the kernels then compare an id per score instead of dividing two positions; the ring's plan
     keeps the chunks (it runs only the steps they reach). Per-document chunks come as segments already."""
-    if opts.chunk_size is None or opts.has_segments:
+    if opts.chunk_size is None or opts.has_segments or opts.num_sink_tokens:  # sinks: refused (`config.refusal`)
         return (opts, *infos)
     c = opts.chunk_size
     ids = [info._replace(seg=jnp.broadcast_to((info.pos // c).astype(jnp.int32)[None], (batch, info.pos.shape[0])))
