@@ -337,20 +337,23 @@ def _export_ring_for_tpu(n, dtype, config, **opts):
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("fused", [False, True])
+_BOTH_RINGS = [
+    (4, jnp.bfloat16, dict(causal=True, layout="zigzag", has_segments=True, logits_soft_cap=30.0)),
+    (2, jnp.float32, dict(window=(100, 10))),
+]
+# the step ring only (the fused one refuses them: `_fused_refusal`): chunks as segment ids, ALiBi's slope column,
+# dropout's keys, and sink tokens in every step's mask
+_STEP_RING_ONLY = [
+    (2, jnp.bfloat16, dict(causal=True, chunk_size=96, has_alibi=True, dropout_rate=0.1)),
+    (2, jnp.float32, dict(causal=True, window=(300, 0), num_sink_tokens=4)),
+]
+
+
 @pytest.mark.parametrize(
-    "n, dtype, opts",
-    [
-        (4, jnp.bfloat16, dict(causal=True, layout="zigzag", has_segments=True, logits_soft_cap=30.0)),
-        (2, jnp.float32, dict(window=(100, 10))),
-        # the step ring only: chunks as segment ids, ALiBi's slope column and dropout's keys (`_fused_refusal`)
-        (2, jnp.bfloat16, dict(causal=True, chunk_size=96, has_alibi=True, dropout_rate=0.1)),
-        (2, jnp.float32, dict(causal=True, window=(300, 0), num_sink_tokens=4)),  # sinks in every step's mask
-    ],
+    "n, dtype, opts, fused",
+    [(*case, fused) for case in _BOTH_RINGS for fused in (False, True)] + [(*case, False) for case in _STEP_RING_ONLY],
 )
 def test_kernels_lower_for_tpu(n, dtype, opts, fused):
-    if fused and (opts.get("chunk_size") or opts.get("has_alibi") or opts.get("num_sink_tokens")):
-        pytest.skip("the fused ring refuses plain chunks, ALiBi, dropout and sink tokens")
     text = _export_ring_for_tpu(n, dtype, TpuConfig(block_q=128, block_kv=128, fused=fused), **opts)
     # both cases run the full ring: per step one forward kernel and two backward kernels (dK/dV, dQ),
     # or one fused kernel per direction for the whole ring

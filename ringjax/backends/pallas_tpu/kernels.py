@@ -262,7 +262,7 @@ def mask_rows(x, vis, groups, fill):
 def alibi_bias(s, r, meta: MetaRefs, tl: Tiling):
     """[G * bq, bk] logits plus ALiBi's slope x distance (a no-op without ALiBi), and the distance tile of
     its rows (None without): each of the G query heads of the rows has its slope in the `slopes` column."""
-    slopes = r.get("slopes")
+    slopes = r.get("slopes") if r is not None else None
     if slopes is None:
         return s, None
     dist = meta.distance()
@@ -270,17 +270,21 @@ def alibi_bias(s, r, meta: MetaRefs, tl: Tiling):
     return s + rows, dist
 
 
-def dropped(x, r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling):
-    """[G * bq, bk] `x` times keep / (1 - rate) by dropout's counter-based hash (`modifiers`), applied to P (and
-    to dP in the backward); `x` itself without dropout. Each of the G query heads of the rows has its key
-    (seed, batch, head) in `dropout_keys`; the positions come from the mask tiles."""
+def dropout_scale(r, meta: MetaRefs, opts: AttentionOptions, tl: Tiling):
+    """[G * bq, bk] float32 keep / (1 - rate) of the current tile pair by dropout's counter-based hash
+    (`modifiers`), what P (and in the backward dP) is multiplied by; None without dropout. Each of the G query
+    heads of the rows has its key (seed, batch, head) in `dropout_keys`; the positions come from the mask tiles."""
     keys = r.get("dropout_keys") if r is not None else None
     if keys is None:
-        return x
+        return None
     qpos, kpos = meta.tile_refs[0][...], meta.tile_refs[1][...]
     q_term, k_term = modifiers.dropout_terms(keys[...], qpos[None], kpos[None])  # [1, bq, 1], [G, 1, bk]
-    keep = modifiers.dropout_keep_terms(opts.dropout_rate, q_term, k_term).reshape(x.shape)
-    return jnp.where(keep, x * (1.0 / (1.0 - opts.dropout_rate)), 0.0)
+    keep = modifiers.dropout_keep_terms(opts.dropout_rate, q_term, k_term).reshape(tl.rows, -1)
+    return jnp.where(keep, 1.0 / (1.0 - opts.dropout_rate), 0.0)
+
+
+def _scaled(x, scale):
+    return x if scale is None else x * scale
 
 
 def key_spec(tl: Tiling, q_first: bool):
@@ -331,9 +335,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     prec = matmul_precision(q_ref.dtype)
     q = q_ref[...].reshape(tl.rows, tl.head_dim)
     v = v_ref[...]
-    s = modifiers.logits(_dot(q, k_ref[...], _NT, prec), opts)
-    if r is not None:
-        s, _ = alibi_bias(s, r, meta, tl)
+    s, _ = alibi_bias(modifiers.logits(_dot(q, k_ref[...], _NT, prec), opts), r, meta, tl)
     if masks.may_skip(opts):
         s = mask_rows(s, meta.visible(opts), tl.groups, -jnp.inf)
     m_prev = m_ref[...].reshape(tl.rows, 1)
@@ -344,7 +346,7 @@ def online_softmax_step(q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, meta: MetaRe
     # dropout leaves the normaliser whole
     l_ref[...] = (alpha * l_ref[...].reshape(tl.rows, 1) + p.sum(axis=1, keepdims=True)).reshape(l_ref.shape)
     m_ref[...] = m_new.reshape(m_ref.shape)
-    pv = _dot(dropped(p, r, meta, opts, tl).astype(v.dtype), v, _NN, prec)
+    pv = _dot(_scaled(p, dropout_scale(r, meta, opts, tl)).astype(v.dtype), v, _NN, prec)
     acc = alpha * acc_ref[...].reshape(tl.rows, tl.v_head_dim) + pv
     acc_ref[...] = acc.reshape(acc_ref.shape)
 
@@ -456,8 +458,9 @@ def _probs_and_dscores(q, k, v, do, lse, delta, meta, opts, tl, prec, r):
         p = mask_rows(p, meta.visible(opts), tl.groups, 0.0)
     dp = _dot(do, v, _NT, prec)
     # d out / d logit = P * (keep/(1-rate) * dP - delta): dropout enters through dP, and dV takes the dropped P
-    ds_logit = p * (dropped(dp, r, meta, opts, tl) - delta)
-    return dropped(p, r, meta, opts, tl), ds_logit * slope, ds_logit, dist
+    keep = dropout_scale(r, meta, opts, tl)  # one hash per tile pair for both
+    ds_logit = p * (_scaled(dp, keep) - delta)
+    return _scaled(p, keep), ds_logit * slope, ds_logit, dist
 
 
 def _load_rows(r, tl: Tiling):
