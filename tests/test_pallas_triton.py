@@ -87,13 +87,13 @@ def test_range_table():
     """Bounds cover every visible column; a non-contiguous fully visible set is all masked."""
     import numpy as np
 
-    from ringjax.backends.pallas_triton.kernels import _range_table
+    from ringjax.core.visits import bounds
 
     cat = jnp.asarray([[[2, 0, 0, 1, 2],    # causal-like: full prefix then the diagonal
                         [1, 0, 1, 0, 2],    # full columns 1 and 3 are not contiguous
                         [2, 2, 2, 2, 2],    # nothing visible
                         [1, 2, 1, 2, 2]]])  # visible but never fully
-    got = np.asarray(_range_table(cat))[0].tolist()
+    got = np.asarray(bounds(cat < 2, cat == 0))[0].tolist()
     assert got == [[1, 1, 3, 4], [0, 0, 0, 4], [0, 0, 0, 0], [0, 0, 0, 3]]
 
 

@@ -12,8 +12,14 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from ringjax.options import AttentionOptions
+
+
+def array_module(x):
+    """numpy for a numpy array (tables built at trace time), else jax.numpy."""
+    return np if isinstance(x, (np.ndarray, np.generic)) else jnp
 
 
 class TokenInfo(NamedTuple):
@@ -22,13 +28,26 @@ class TokenInfo(NamedTuple):
     pos: jnp.ndarray  # [T] int32 global positions
     seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
     segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
+    # numpy [N or 1, T]: `pos` on each device of the ring axis (one row: the same on all), where the layout alone
+    # decides them; without segment ids, so `segpos` (if any) is `pos` itself. Lets tables be built in numpy.
+    static_pos: np.ndarray | None = None
 
     @classmethod
     def first(cls, n: int) -> TokenInfo:
         """The first n tokens of an unsegmented sequence (the sink tokens' step): a token's offset is its
         position."""
         pos = jnp.arange(n, dtype=jnp.int32)
-        return cls(pos, None, pos[None, :])
+        return cls(pos, None, pos[None, :], np.arange(n, dtype=np.int32)[None])
+
+    @property
+    def is_static(self) -> bool:
+        """Whether the positions are known at trace time on every device (`static_pos`) and no ids come with them."""
+        return self.static_pos is not None and self.seg is None
+
+    def on_device(self, r: int) -> TokenInfo:
+        """The numpy TokenInfo of device r (needs `is_static`)."""
+        pos = self.static_pos[min(r, self.static_pos.shape[0] - 1)]
+        return TokenInfo(pos, None, None if self.segpos is None else pos[None, :])
 
 
 class BlockRange(NamedTuple):
@@ -139,7 +158,7 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:
     """False only if no query of block q can see any key of block k (bool scalar)."""
-    same = jnp.asarray(True)
+    same = array_module(q.pos_lo).asarray(True)
     if opts.has_segments:
         # disjoint id ranges imply disjoint id sets, whatever the order of ids
         same = (k.seg_lo <= q.seg_hi) & (k.seg_hi >= q.seg_lo) & (q.seg_hi >= 0)
@@ -149,14 +168,14 @@ def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
     if opts.chunk_size is not None:
         c = opts.chunk_size
         if opts.has_segments:  # chunk ids restart per document: only the distance bound is known
-            base &= (k.pos_hi >= q.pos_lo - (c - 1)) & (k.pos_lo <= q.pos_hi + (c - 1))
+            base = base & (k.pos_hi >= q.pos_lo - (c - 1)) & (k.pos_lo <= q.pos_hi + (c - 1))
         else:
-            base &= (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
+            base = base & (k.pos_lo // c <= q.pos_hi // c) & (k.pos_hi // c >= q.pos_lo // c)
     if not opts.num_sink_tokens:
         return base
     sink = same & (k.segpos_lo < opts.num_sink_tokens)
     if opts.causal:
-        sink &= k.pos_lo <= q.pos_hi
+        sink = sink & (k.pos_lo <= q.pos_hi)
     return sink if is_sink_step(opts) else base | sink
 
 
@@ -165,18 +184,19 @@ def fully_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.n
 
     Kernels skip the element-wise mask on such block pairs.
     """
+    xp = array_module(q.pos_lo)
     if is_sink_step(opts):
-        return jnp.asarray(False)  # sinks the base rule hides: never a whole block
+        return xp.asarray(False)  # sinks the base rule hides: never a whole block
     # every pair passes: the latest key meets the right bound of the earliest query, the earliest key the left
     # bound of the latest
-    ok = _and(jnp.asarray(True), _base(opts, q.pos_lo, k.pos_hi, q.pos_hi, k.pos_lo))
+    ok = _and(xp.asarray(True), _base(opts, q.pos_lo, k.pos_hi, q.pos_hi, k.pos_lo))
     if opts.chunk_size is not None:
         c = opts.chunk_size
         if opts.has_segments:
-            return jnp.asarray(False)  # per-document chunks: never claimed whole
-        ok &= (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (q.pos_lo // c == k.pos_lo // c)
+            return xp.asarray(False)  # per-document chunks: never claimed whole
+        ok = ok & (q.pos_lo // c == q.pos_hi // c) & (k.pos_lo // c == k.pos_hi // c) & (q.pos_lo // c == k.pos_lo // c)
     if opts.has_segments:
-        ok &= (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi) & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)
+        ok = ok & (q.seg_lo == q.seg_hi) & (k.seg_lo == k.seg_hi) & (q.seg_lo == k.seg_lo) & (q.seg_lo >= 0)
     return ok
 
 

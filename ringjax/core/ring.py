@@ -100,6 +100,24 @@ def _positions(opts: AttentionOptions, shard, t: int, xp=jnp):
     return local_positions(opts.layout, shard, opts.axis_size, t, xp=xp, subshards=opts.subshards)
 
 
+def _shard_info(opts: AttentionOptions, source, t: int, seg=None, segpos=None) -> TokenInfo:
+    """TokenInfo of the t tokens of shard `source(r)` on device r; without segment ids their positions on
+    every device come along as numpy (`TokenInfo.static_pos`)."""
+    static = None
+    if seg is None:
+        static = np.stack([_positions(opts, source(r), t, xp=np) for r in range(opts.axis_size)])
+    return TokenInfo(_positions(opts, source(shard_index(opts)), t), seg, segpos, static)
+
+
+def _own(shard):
+    return shard
+
+
+def _source_at(plan, step: int, opts: AttentionOptions):
+    """The shard whose K/V device r holds at `step`, as a function of r."""
+    return functools.partial(plan.source, step=step, axis_size=opts.axis_size)
+
+
 def _natural_order(opts: AttentionOptions, t: int) -> np.ndarray | None:
     """Indices that put the devices' tokens, concatenated in device order, in natural order (None: already)."""
     order = np.argsort(np.concatenate([_positions(opts, r, t, xp=np) for r in range(opts.axis_size)]))
@@ -137,15 +155,17 @@ def _segment_offsets(whole_seg):
     return idx - start
 
 
-def _infos(opts, shard, q, q_seg):
+def _infos(opts, q, q_seg):
+    """The local queries' TokenInfo."""
     t = q.shape[1]
-    pos = _positions(opts, shard, t)
-    segpos = None
-    if _needs_segpos(opts):
-        # without segments the offset is the global position
-        segpos = _segment_offsets(_whole(q_seg, opts, _natural_order(opts, t)))[:, pos] if opts.has_segments \
-            else pos[None, :]
-    return TokenInfo(pos, q_seg, segpos)
+    info = _shard_info(opts, _own, t, q_seg)
+    if not _needs_segpos(opts):
+        return info
+    pos = info.pos
+    # without segments the offset is the global position
+    segpos = _segment_offsets(_whole(q_seg, opts, _natural_order(opts, t)))[:, pos] if opts.has_segments \
+        else pos[None, :]
+    return info._replace(segpos=segpos)
 
 
 def _gather_kv(opts, k, v, kv_seg):
@@ -158,7 +178,8 @@ def _gather_kv(opts, k, v, kv_seg):
     segpos = None
     if _needs_segpos(opts):
         segpos = pos[None, :] if seg is None else _segment_offsets(seg)
-    return k_all, v_all, TokenInfo(pos, seg, segpos), order
+    static = None if seg is not None else np.arange(k_all.shape[1], dtype=np.int32)[None]
+    return k_all, v_all, TokenInfo(pos, seg, segpos, static), order
 
 
 def _dtype_kw(out_dtype):
@@ -168,14 +189,14 @@ def _dtype_kw(out_dtype):
 
 def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype=None):
     """The all-gather schedule: one kernel call of the local queries against every key."""
-    q_info = _infos(opts, shard_index(opts), q, q_seg)
+    q_info = _infos(opts, q, q_seg)
     k_all, v_all, k_info, _ = _gather_kv(opts, k, v, kv_seg)
     return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config, **_dtype_kw(out_dtype))
 
 
 def _gather_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     # K/V are gathered again rather than kept from the forward: residuals stay O(local sequence)
-    q_info = _infos(opts, shard_index(opts), q, q_seg)
+    q_info = _infos(opts, q, q_seg)
     k_all, v_all, k_info, order = _gather_kv(opts, k, v, kv_seg)
     dq, dk, dv, dslopes = kernel.bwd(q, k_all, v_all, dout, lse, delta, q_info, k_info, extras, opts, config)
     return dq, _scatter_home(dk, opts, order), _scatter_home(dv, opts, order), dslopes
@@ -222,7 +243,7 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     t = q.shape[1]
     shard = shard_index(opts)
     plan = ring_plan(opts, t)
-    q_info = _infos(opts, shard, q, q_seg)
+    q_info = _infos(opts, q, q_seg)
 
     def gathered(x):
         return None if x is None else lax.all_gather(x, opts.axis_name)
@@ -231,21 +252,19 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     infos = []
     for step in range(plan.num_steps):
         src = plan.source(shard, step, opts.axis_size)
-        infos.append(TokenInfo(_positions(opts, src, t), None if segs is None else segs[src],
-                               None if segpos is None else segpos[src]))
+        infos.append(_shard_info(opts, _source_at(plan, step, opts), t, None if segs is None else segs[src],
+                                 None if segpos is None else segpos[src]))
     return _without_sinks(opts, plan), q_info, infos, plan.offset
 
 
 def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype=None):
     b, t, h, _ = q.shape
-    n = opts.axis_size
-    shard = shard_index(opts)
     plan = ring_plan(opts, t)
     # a lone step's output is final: it may come in `out_dtype` (`BlockKernel.final_dtype`); merged ones not
     if plan.num_steps > 1 or plan.sink_step:
         out_dtype = None
     step_dtype = jnp.float32 if out_dtype is None else out_dtype
-    q_info = _infos(opts, shard, q, q_seg)
+    q_info = _infos(opts, q, q_seg)
     ring_opts = _without_sinks(opts, plan)
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
     out = lse = None
@@ -253,8 +272,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtyp
         # issue the next transfer before this step's compute so the two overlap
         nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
-        src = plan.source(shard, step, n)
-        k_info = TokenInfo(_positions(opts, src, t), seg_cur, segpos_cur)
+        k_info = _shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             o, lse_s = kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config, **_dtype_kw(out_dtype))
@@ -369,15 +387,13 @@ def _bwd_rule(opts, kernel, config, res, cts):
 
 def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, final=False):
     t = q.shape[1]
-    n = opts.axis_size
-    shard = shard_index(opts)
     plan = ring_plan(opts, t)
     # a lone step's gradients are final: they may come in the inputs' dtype (`BlockKernel.final_dtype`)
     final = final and plan.num_steps == 1 and not plan.sink_step
     grad_dtype = q.dtype if final else jnp.float32
     dtype_kw = _dtype_kw(q.dtype if final else None)
     ring_opts = _without_sinks(opts, plan)
-    q_info = _infos(opts, shard, q, q_seg)
+    q_info = _infos(opts, q, q_seg)
     alibi = extras.alibi_slopes is not None
 
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
@@ -385,7 +401,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     for step in range(plan.num_steps):
         nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
-        k_info = TokenInfo(_positions(opts, plan.source(shard, step, n), t), seg_cur, segpos_cur)
+        k_info = _shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             *grads, dsl = kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config,

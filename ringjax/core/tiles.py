@@ -77,12 +77,13 @@ def block_ranges(info: TokenInfo, size: int) -> BlockRange:
     """Bounds of each block of `size` tokens: positions [n], segment ids and offsets [rows, n]."""
     n = info.pos.shape[0] // size
 
-    def per_block(x, reduce):
-        return None if x is None else reduce(x.reshape(x.shape[0], n, size), axis=2)
+    def per_block(x, reduce: str):
+        # methods, not jnp functions: numpy positions (`TokenInfo.on_device`) stay numpy
+        return None if x is None else getattr(x.reshape(x.shape[0], n, size), reduce)(axis=2)
 
     pos = info.pos.reshape(n, size)
-    return BlockRange(pos.min(axis=1), pos.max(axis=1), per_block(info.seg, jnp.min), per_block(info.seg, jnp.max),
-                      per_block(info.segpos, jnp.min))
+    return BlockRange(pos.min(axis=1), pos.max(axis=1), per_block(info.seg, "min"), per_block(info.seg, "max"),
+                      per_block(info.segpos, "min"))
 
 
 def shard_range(info: TokenInfo) -> BlockRange:

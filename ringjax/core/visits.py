@@ -5,15 +5,30 @@ Per tile a row of four bounds lo <= flo <= fhi <= hi over the other operand's bl
 element mask); the rest of [lo, hi) is masked element-wise and nothing outside is visited.
 For position-only masks on any layout both sets are contiguous, so nothing hidden is
 visited; with segments a hidden block inside [lo, hi) is visited under the mask.
+
+Where positions follow from the layout alone (no segment ids), `on_device` builds the tables with
+numpy while tracing: XLA then gets constants instead of a chain of small kernels before every launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
-from ringjax.core.masks import BlockRange, StepOptions, TokenInfo, fully_visible, is_sink_step, may_skip, maybe_visible
+from ringjax.core.masks import (
+    BlockRange,
+    StepOptions,
+    TokenInfo,
+    array_module,
+    fully_visible,
+    is_sink_step,
+    may_skip,
+    maybe_visible,
+)
 from ringjax.core.tiles import block_ranges
 from ringjax.options import AttentionOptions
 
@@ -21,9 +36,10 @@ from ringjax.options import AttentionOptions
 def _ranges(info: TokenInfo, size: int, pos_axis: int, row_axis: int) -> BlockRange:
     """`tiles.block_ranges` shaped to broadcast: positions along `pos_axis`, per-row fields along `row_axis`."""
     r = block_ranges(info, size)
+    xp = array_module(info.pos)
 
     def at(x, axis):
-        return None if x is None else jnp.expand_dims(x, axis)
+        return None if x is None else xp.expand_dims(x, axis)
 
     return BlockRange(at(r.pos_lo, pos_axis), at(r.pos_hi, pos_axis), at(r.seg_lo, row_axis), at(r.seg_hi, row_axis),
                       at(r.segpos_lo, row_axis))
@@ -37,8 +53,9 @@ def block_tables(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInfo, b
     qr, kr = _ranges(q_info, bq, 1, 2), _ranges(k_info, bk, 0, 1)  # pos [nq, 1] / [1, nk], seg [B, nq, 1] / [B, 1, nk]
     batch = q_info.seg.shape[0] if q_info.seg is not None else 1
     shape = (batch, qr.pos_lo.shape[0], kr.pos_lo.shape[1])
-    return (jnp.broadcast_to(maybe_visible(opts, qr, kr), shape),
-            jnp.broadcast_to(fully_visible(opts, qr, kr), shape))
+    xp = array_module(qr.pos_lo)
+    return (xp.broadcast_to(maybe_visible(opts, qr, kr), shape),
+            xp.broadcast_to(fully_visible(opts, qr, kr), shape))
 
 
 def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
@@ -54,7 +71,7 @@ def range_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_si
     bq, bk = (col_size, row_size) if transpose else (row_size, col_size)
     maybe, full = block_tables(opts, q_info, k_info, bq, bk)
     if transpose:
-        maybe, full = jnp.swapaxes(maybe, 1, 2), jnp.swapaxes(full, 1, 2)
+        maybe, full = maybe.swapaxes(1, 2), full.swapaxes(1, 2)
     return bounds(maybe, full)
 
 
@@ -66,23 +83,24 @@ def sink_range_table(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInf
     window and the one block holding the sinks, not every block in between. Sinks that fall
     neither before nor inside [lo, hi) widen it instead (still exact: those blocks are masked).
     """
+    xp = array_module(q_info.pos)
     if not opts.num_sink_tokens or is_sink_step(opts):
         table = range_table(opts, q_info, k_info, bq, bk)
-        return None if table is None else jnp.concatenate([table[..., :1], table], axis=-1)
+        return None if table is None else xp.concatenate([table[..., :1], table], axis=-1)
     base = dataclasses.replace(opts, num_sink_tokens=0)
     if not may_skip(base):
         return None  # the base rule shows every key: the sinks add none
     main = bounds(*block_tables(base, q_info, k_info, bq, bk))
     sink_maybe, _ = block_tables(StepOptions.sink_step(opts), q_info, k_info, bq, bk)
-    sink = bounds(sink_maybe, jnp.zeros_like(sink_maybe))
+    sink = bounds(sink_maybe, xp.zeros_like(sink_maybe))
     slo, shi = sink[..., 0], sink[..., 3]
     lo, flo, fhi, hi = (main[..., i] for i in range(4))
     has = shi > slo
     before = has & (shi <= lo)
     widen = has & ~before & ~((slo >= lo) & (shi <= hi))
-    lo, hi = jnp.where(widen, jnp.minimum(lo, slo), lo), jnp.where(widen, jnp.maximum(hi, shi), hi)
-    plo, phi = jnp.where(before, slo, lo), jnp.where(before, shi, lo)
-    return jnp.stack([plo, phi, lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+    lo, hi = xp.where(widen, xp.minimum(lo, slo), lo), xp.where(widen, xp.maximum(hi, shi), hi)
+    plo, phi = xp.where(before, slo, lo), xp.where(before, shi, lo)
+    return xp.stack([plo, phi, lo, flo, fhi, hi], axis=-1).astype(np.int32)
 
 
 def bounds(maybe, full):
@@ -90,18 +108,38 @@ def bounds(maybe, full):
 
     [lo, hi) covers every column `maybe` shows; [flo, fhi) only columns `full` shows whole.
     """
+    xp = array_module(maybe)
     m = maybe.shape[-1]
-    col = jnp.arange(m, dtype=jnp.int32)
-    hi = jnp.max(jnp.where(maybe, col + 1, 0), axis=-1)
-    lo = jnp.minimum(jnp.min(jnp.where(maybe, col, m), axis=-1), hi)
-    fhi = jnp.max(jnp.where(full, col + 1, 0), axis=-1)
-    flo = jnp.min(jnp.where(full, col, m), axis=-1)
+    col = xp.arange(m, dtype=np.int32)
+    hi = xp.max(xp.where(maybe, col + 1, 0), axis=-1)
+    lo = xp.minimum(xp.min(xp.where(maybe, col, m), axis=-1), hi)
+    fhi = xp.max(xp.where(full, col + 1, 0), axis=-1)
+    flo = xp.min(xp.where(full, col, m), axis=-1)
     # a gap among the fully visible blocks: treat none as fully visible (masking is always exact)
     contiguous = (fhi > flo) & (fhi - flo == full.sum(axis=-1))
-    flo, fhi = jnp.where(contiguous, flo, lo), jnp.where(contiguous, fhi, lo)
-    return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+    flo, fhi = xp.where(contiguous, flo, lo), xp.where(contiguous, fhi, lo)
+    return xp.stack([lo, flo, fhi, hi], axis=-1).astype(np.int32)
 
 
 def block_starts(info: TokenInfo, size: int):
     """int32 [n]: global position of the first token of each block."""
-    return info.pos.reshape(-1, size)[:, 0].astype(jnp.int32)
+    return info.pos.reshape(-1, size)[:, 0].astype(np.int32)
+
+
+def on_device(fn, opts: AttentionOptions, *infos: TokenInfo):
+    """`fn(*infos)`, a pytree of integer tables, built with numpy where every info `is_static`.
+
+    A ring's devices hold different positions: the tables of every device are then stacked, and this
+    device's row is taken by its axis index (one small gather), unless they are all the same. Otherwise
+    `fn` runs on the traced infos.
+    """
+    if not all(info.is_static for info in infos):
+        return fn(*infos)
+    devices = max(info.static_pos.shape[0] for info in infos)
+    per_device = [fn(*(info.on_device(r) for info in infos)) for r in range(devices)]
+    leaves = [jax.tree.leaves(tables) for tables in per_device]
+    if all(np.array_equal(a, b) for other in leaves[1:] for a, b in zip(leaves[0], other)):
+        return per_device[0]
+    index = lax.axis_index(opts.axis_name)
+    stacked = [jnp.asarray(np.stack(rows))[index] for rows in zip(*leaves)]
+    return jax.tree.unflatten(jax.tree.structure(per_device[0]), stacked)

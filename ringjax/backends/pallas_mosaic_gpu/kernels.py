@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -50,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots, split_head_dim
 from ringjax.core.dense import few_keys_grads
-from ringjax.core.masks import Extras, StepOptions, TokenInfo, is_sink_step, may_skip, visible_pairs
+from ringjax.core.masks import Extras, StepOptions, TokenInfo, array_module, is_sink_step, may_skip, visible_pairs
 from ringjax.core.modifiers import (
     LOG2E,
     alibi_distance_pairs,
@@ -64,7 +65,7 @@ from ringjax.core.modifiers import (
 )
 from ringjax.core.schedule import reach
 from ringjax.core.tiles import block_stride
-from ringjax.core.visits import block_starts, range_table, sink_range_table
+from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
 from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
@@ -1017,16 +1018,43 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
     return _unify_with(args, acc[...], *outs)
 
 
+def _has_prefix(opts: AttentionOptions, transpose: bool = False) -> bool:
+    """Whether the visit table's rows start with a prefix range (`visits.sink_range_table`): sink tokens, queries
+    as rows, and a mask that hides something besides."""
+    return (bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts)
+            and may_skip(dataclasses.replace(opts, num_sink_tokens=0)))
+
+
 def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
                  transpose: bool = False):
-    """(table, prefix): `visits.range_table`, or with sink tokens (queries as rows) `visits.sink_range_table`
-    whose rows start with a prefix range; a placeholder the kernel never reads when the mask hides nothing."""
-    prefix = bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts)
-    if prefix:
+    """`visits.range_table`, or with sink tokens (queries as rows) `visits.sink_range_table` whose rows start
+    with a prefix range; a placeholder the kernel never reads when the mask hides nothing."""
+    if bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts):
         rng = sink_range_table(opts, rows, cols, row_size, col_size)
     else:
         rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
-    return (jnp.zeros((1, 1, 6), jnp.int32) if rng is None else rng), prefix and rng is not None
+    return array_module(rows.pos).zeros((1, 1, 6), np.int32) if rng is None else rng
+
+
+def _step_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenInfo], q_block: int, k_block: int,
+                 fused: bool, transpose: bool = False, order_walk: "_Walk | None" = None):
+    """A launch's inputs that follow from positions: (visit tables per source, queries as rows or with
+    `transpose` keys; query block starts; key block starts per source; a persistent launch's item order for
+    `order_walk`, else None). Constants where the positions are static (`visits.on_device`): a 1K causal
+    forward launched 8 small XLA kernels for them beside its own (1 H200, jax 0.11.2, 2026-12-04)."""
+
+    def build(q_info, *k_infos):
+        if transpose:
+            visits = [_visit_table(opts, x, q_info, k_block, q_block, transpose=True) for x in k_infos]
+        else:
+            visits = [_visit_table(opts, q_info, x, q_block, k_block) for x in k_infos]
+        order = None
+        if order_walk is not None:
+            order = _persistent_order(visits if order_walk.ranged else None, order_walk, array_module(q_info.pos))
+        kstarts = _per_source([block_starts(x, k_block) for x in k_infos], fused)
+        return _per_source(visits, fused), block_starts(q_info, q_block), kstarts, order
+
+    return on_device(build, opts, q_info, *k_infos)
 
 
 def _segment_args(q_info: TokenInfo, k_info: TokenInfo):
@@ -1061,15 +1089,17 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bk = _fit(s, config.block_kv, opts, natural=_keys_natural(opts))
-    tables = [_visit_table(opts, q_info, k_info, ROWS, bk) for k_info in k_infos]
-    prefix = tables[0][1]
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
-                     prefix=prefix)
+                     prefix=_has_prefix(opts))
     has_seg = q_info.seg is not None
-    kstarts, segs = _key_tables(q_info, k_infos, bk, ring is not None)
-    args = [q, k, v, _per_source([rng for rng, _ in tables], ring is not None), block_starts(q_info, ROWS), kstarts,
-            *segs, *_mod_args(opts, extras, h)]
-    args = _unify(args)
+    # a fused pass's row tiles visit the blocks of every source; it persists only up to 64 blocks: its copy
+    # CTAs start their items late, which cost 2% at 8K tokens per GPU (128 blocks) and gained 3% at 4K
+    # (2 H100, 2026-11-27, benchmarks/results/checks/)
+    persist = config.persistent and _short_rows(opts, s * len(k_infos), bk, most=128 if ring is None else 64)
+    rng, qstarts, kstarts, order = _step_tables(opts, q_info, k_infos, ROWS, bk, ring is not None,
+                                                order_walk=walk if persist else None)
+    args = _unify([q, k, v, rng, qstarts, kstarts, *_segment_tables(q_info, k_infos, ring is not None),
+                   *_mod_args(opts, extras, h)])
     dt, dv = q.dtype, v.shape[3]
     scratch = [
         plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d, dt)),
@@ -1100,14 +1130,10 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
         static["ring"] = _make_ring(ring, len(k_infos), b, "q")
         # the receive slots: one per source but this device's own
         out_type += [_compat.struct_like((len(k_infos) - 1, *x.shape), x.dtype, args[0]) for x in (k, v)]
-    # a fused pass's row tiles visit the blocks of every source; it persists only up to 64 blocks: its copy
-    # CTAs start their items late, which cost 2% at 8K tokens per GPU (128 blocks) and gained 3% at 4K
-    # (2 H100, 2026-11-27, benchmarks/results/checks/)
-    if config.persistent and _short_rows(opts, s * len(k_infos), bk, most=128 if ring is None else 64):
+    if persist:
         skip = 0 if ring is None else static["ring"].copy_ctas
         static["persist"] = _Persist(min(_sm_count(config), math.prod(grid) + skip), grid, skip)
-        visits = [rng for rng, _ in tables] if walk.ranged else None
-        args.append(_unify_with(args, _persistent_order(visits, walk))[0])
+        args.append(_unify_with(args, order)[0])
         grid = (static["persist"].ctas, 1, 1)
     elif ring is not None:
         grid = (grid[0], grid[1] + static["ring"].copy_rows, b)
@@ -1200,34 +1226,35 @@ def _items(persist: _Persist | None, order_ref, body, carry):
     return lax.fori_loop(0, persist.count(), lambda i, c: body(i, persist.at(i, order_ref), c), carry)
 
 
-def _persistent_order(tables, walk: _Walk):
+def _persistent_order(tables, walk: _Walk, xp=jnp):
     """int32 [n_ctas]: the grid rows of a persistent launch, the most visits first (ties in grid order), from
-    the visit tables of its sources (None: every row visits every block), each summed over its batch rows."""
+    the visit tables of its sources (None: every row visits every block), each summed over its batch rows;
+    `xp` numpy or jax.numpy, as the tables."""
     if tables is None:
-        return jnp.arange(walk.n_ctas, dtype=jnp.int32)
+        return xp.arange(walk.n_ctas, dtype=np.int32)
     steps = 0
     for rng in tables:
         rng = rng.sum(axis=0)  # [tiles, 4 or 6]
-        steps = steps + jnp.maximum(rng[:, -1] - rng[:, -4], 0)
+        steps = steps + xp.maximum(rng[:, -1] - rng[:, -4], 0)
         if walk.prefix:
-            steps = steps + jnp.maximum(rng[:, 1] - rng[:, 0], 0)
-    cta = jnp.arange(walk.n_ctas)
+            steps = steps + xp.maximum(rng[:, 1] - rng[:, 0], 0)
+    cta = xp.arange(walk.n_ctas)
     tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]
-    work = jnp.maximum(steps[tiles[0]], steps[tiles[1]])
-    return jnp.argsort(-work, stable=True).astype(jnp.int32)
+    work = xp.maximum(steps[tiles[0]], steps[tiles[1]])
+    order = np.argsort(-work, kind="stable") if xp is np else jnp.argsort(-work, stable=True)
+    return order.astype(np.int32)
 
 
 def _per_source(xs, fused: bool):
     """A launch's per-source tables: one source's as it is, a fused ring pass's stacked by sub-step."""
-    return jnp.stack(xs) if fused else xs[0]
+    return array_module(xs[0]).stack(xs) if fused else xs[0]
 
 
-def _key_tables(q_info: TokenInfo, k_infos: list[TokenInfo], block: int, fused: bool):
-    """The sources' key block starts, and [query segment ids, the sources' key segment ids] (none without)."""
-    starts = _per_source([block_starts(x, block) for x in k_infos], fused)
+def _segment_tables(q_info: TokenInfo, k_infos: list[TokenInfo], fused: bool):
+    """[query segment ids, the sources' key segment ids], or none without segments."""
     if q_info.seg is None:
-        return starts, []
-    return starts, [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
+        return []
+    return [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
 
 
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
@@ -1830,14 +1857,12 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
     s, g, has_seg, dt, dv = k.shape[1], h // k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     bk = _fit(s, config.dq_block_kv, opts, natural=_keys_natural(opts))
     k_infos = k_info if ring is not None else [k_info]
-    tables = [_visit_table(opts, q_info, x, ROWS, bk) for x in k_infos]
-    prefix = tables[0][1]
     split = split_head_dim(d, dv)
     walk = _walk_for(opts, t, s, bk, config.dq_num_stages, g, transpose=False, pair_heads=config.pair_heads,
-                     prefix=prefix, split=split)
-    kstarts, segs = _key_tables(q_info, k_infos, bk, ring is not None)
-    args = _unify([q, k, v, dout, lse2, delta, _per_source([rng for rng, _ in tables], ring is not None),
-                   block_starts(q_info, ROWS), kstarts, *segs, *mods, *recv])
+                     prefix=_has_prefix(opts), split=split)
+    rng, qstarts, kstarts, _ = _step_tables(opts, q_info, k_infos, ROWS, bk, ring is not None)
+    args = _unify([q, k, v, dout, lse2, delta, rng, qstarts, kstarts,
+                   *_segment_tables(q_info, k_infos, ring is not None), *mods, *recv])
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
     # split: dQ contracts a consumer's dS over its 32 keys, a wgmma K group of 32 bf16: 64-byte swizzles, which
     # wgmma wants of both its operands
@@ -1890,9 +1915,9 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     walk = _walk_for(opts, s, t, bq, config.dkv_num_stages, g, transpose=True, split=split)
     walk = dataclasses.replace(walk, reverse=config.bwd_reverse)
     k_infos = k_info if ring is not None else [k_info]
-    rng = _per_source([_visit_table(opts, x, q_info, ROWS, bq, transpose=True)[0] for x in k_infos], ring is not None)
-    kstarts, segs = _key_tables(q_info, k_infos, ROWS, ring is not None)
-    args = _unify([q, k, v, dout, lse2, delta, rng, block_starts(q_info, bq), kstarts, *segs, *mods])
+    rng, qstarts, kstarts, _ = _step_tables(opts, q_info, k_infos, bq, ROWS, ring is not None, transpose=True)
+    args = _unify([q, k, v, dout, lse2, delta, rng, qstarts, kstarts,
+                   *_segment_tables(q_info, k_infos, ring is not None), *mods])
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     # split: dK and dV contract a consumer's P^T and dS^T over its 32 queries, a wgmma K group of 32 bf16: 64-byte
     # swizzles, which wgmma wants of both its operands

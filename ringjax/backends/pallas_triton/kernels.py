@@ -38,7 +38,7 @@ from ringjax.core.modifiers import LOG2E, logit_slope, logits2
 from ringjax.core.operands import Operands, Refs
 from ringjax.core.precision import DEFAULT, dot_precision
 from ringjax.core.tiles import Tiling
-from ringjax.core.visits import block_tables, bounds
+from ringjax.core.visits import block_tables, on_device, range_table
 from ringjax.merge import finish, finite_or_zero
 from ringjax.options import AttentionOptions
 
@@ -62,23 +62,16 @@ def _visit_list(cat):
     return order, n_full, n_vis
 
 
-def _range_table(cat):
-    """int32 [Bl, n, 4] per row of `cat` [Bl, n, m]: lo <= flo <= fhi <= hi (`visits.bounds`).
+def _range_tables(opts, q_info, k_info, bq, bk):
+    """int32 [1, nq, 4] over key blocks and [1, nk, 4] over query blocks: lo <= flo <= fhi <= hi
+    (`visits.range_table`), constants where the positions are static (`visits.on_device`).
 
     Exact for any mask: columns of [lo, hi) outside [flo, fhi) get the element mask. For
     position-only masks on monotone positions (every layout) both sets are contiguous, so
     nothing hidden is visited and nothing visible is masked needlessly.
     """
-    return bounds(cat < 2, cat == 0)
-
-
-def _tables(mode: str, cat):
-    """Arrays the kernels index to find their blocks (see the module docstring)."""
-    if mode == "dense":
-        return []
-    if mode == "ranges":
-        return [_range_table(cat)]
-    return list(_visit_list(cat))
+    return on_device(lambda q, k: (range_table(opts, q, k, bq, bk), range_table(opts, k, q, bk, bq, transpose=True)),
+                     opts, q_info, k_info)
 
 
 def _walk(mode: str, tabs, row, i, n: int, step, carry):
@@ -230,7 +223,7 @@ class _Step:
     mode: str
     q_info: TokenInfo
     k_info: TokenInfo
-    categories: object  # int32 [Bl, nq, nk] or None (dense walk)
+    tables: tuple  # ("ranges") the range tables by query and by key block; ("list") `_categories`; else ()
     prec: object  # `precision=` of every tile dot (core.precision.dot_precision)
 
     @classmethod
@@ -239,8 +232,22 @@ class _Step:
         has_seg = q_info.seg is not None
         tl = Tiling.of(q, k, v, bq, bk, has_seg)
         mode = "dense" if not may_skip(opts) else "list" if has_seg else "ranges"
-        cat = None if mode == "dense" else _categories(opts, q_info, k_info, bq, bk)
-        return cls(opts, tl, mode, q_info, k_info, cat, dot_precision(q.dtype, precision))
+        tables = ()
+        if mode == "ranges":
+            tables = _range_tables(opts, q_info, k_info, bq, bk)
+        elif mode == "list":
+            tables = (_categories(opts, q_info, k_info, bq, bk),)
+        return cls(opts, tl, mode, q_info, k_info, tables, dot_precision(q.dtype, precision))
+
+    def walk_tables(self, by_keys: bool):
+        """Arrays the kernels index to find their blocks (see the module docstring): rows are query blocks, or
+        with `by_keys` key blocks."""
+        if self.mode == "dense":
+            return []
+        if self.mode == "ranges":
+            return [self.tables[by_keys]]
+        (cat,) = self.tables
+        return list(_visit_list(jnp.swapaxes(cat, 1, 2) if by_keys else cat))
 
     def by_query_block(self, *blocks):
         """Operands of a kernel gridded (query block, batch, head): q and `blocks` ((name, array, kind),
@@ -262,7 +269,7 @@ class _Step:
         if tl.has_segments:
             ops.add("qseg", self.q_info.seg, pl.BlockSpec((None, bq), lambda i, b, h: (b, r(i))))
             ops.add("kseg", self.k_info.seg, pl.BlockSpec((None, s), lambda i, b, h: (b, 0)))
-        tabs = _tables(self.mode, self.categories)
+        tabs = self.walk_tables(by_keys=False)
         ops.add_group("tables", tabs, [_full(x) for x in tabs])
         return ops, spec
 
@@ -285,7 +292,7 @@ class _Step:
         if tl.has_segments:
             ops.add("qseg", self.q_info.seg, pl.BlockSpec((None, t), lambda j, b, h: (b, 0)))
             ops.add("kseg", self.k_info.seg, pl.BlockSpec((None, bk), lambda j, b, h: (b, j)))
-        tabs = _tables(self.mode, None if self.categories is None else jnp.swapaxes(self.categories, 1, 2))
+        tabs = self.walk_tables(by_keys=True)
         ops.add_group("tables", tabs, [_full(x) for x in tabs])
         return ops, spec
 

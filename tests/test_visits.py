@@ -1,0 +1,90 @@
+"""core/visits: tables built in numpy at trace time (`on_device`) equal those XLA builds from traced positions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from harness import need_devices
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ringjax.core import ring
+from ringjax.core.masks import StepOptions, TokenInfo
+from ringjax.core.schedule import ring_plan
+from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
+from ringjax.options import AttentionOptions
+
+T = 512  # tokens per device: 8 query blocks of 64, 4 key blocks of 128
+
+MASKS = [
+    dict(causal=True),
+    dict(causal=True, window=(100, 0)),
+    dict(window=(64, 64)),
+    dict(causal=True, chunk_size=96),
+    dict(causal=True, window=(200, 0), num_sink_tokens=5),
+    dict(num_sink_tokens=3, chunk_size=160),
+]
+
+
+def _tables(opts):
+    def build(q_info, k_info):
+        fwd = sink_range_table(opts, q_info, k_info, 64, 128) if opts.num_sink_tokens else \
+            range_table(opts, q_info, k_info, 64, 128)
+        return fwd, range_table(opts, k_info, q_info, 128, 64, transpose=True), block_starts(k_info, 128)
+
+    return build
+
+
+def _per_step(opts, q, static: bool):
+    """Every ring step's tables on this device, as the kernels get them: statically or from traced positions."""
+    plan = ring_plan(opts, T)
+    q_info = ring._infos(opts, q, None)
+    out = []
+    for step in range(plan.num_steps):
+        k_info = ring._shard_info(opts, ring._source_at(plan, step, opts), T)
+        if q_info.segpos is not None:  # the offsets travel with K/V in the ring; without segments they are positions
+            k_info = k_info._replace(segpos=k_info.pos[None])
+        if not static:
+            q_info, k_info = q_info._replace(static_pos=None), k_info._replace(static_pos=None)
+        out += [jnp.asarray(x)[None] for x in jax.tree.leaves(on_device(_tables(opts), opts, q_info, k_info))]
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_static_tables_match_traced(n, layout):
+    need_devices(n)
+    mesh = Mesh(np.array(jax.devices()[:n]), ("sp",))
+    q = jax.random.normal(jax.random.key(n), (1, T * n, 1, 8))
+    for kw in MASKS:
+        opts = AttentionOptions(layout=layout, axis_name="sp", axis_size=n, **kw)
+
+        def both(q, opts=opts):
+            return _per_step(opts, q, True), _per_step(opts, q, False)
+
+        static, traced = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P(None, "sp"), out_specs=P("sp")))(q)
+        assert len(static) == len(traced) > 0
+        for a, b in zip(static, traced):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{kw}, {n} devices, {layout}")
+
+
+def test_static_tables_leave_no_work_to_xla():
+    """One device: the tables are constants (no equation computes them); a ring: one gather per table."""
+    opts = AttentionOptions(causal=True, window=(100, 0), num_sink_tokens=4)
+    info = ring._shard_info(opts, ring._own, T)
+    info = info._replace(segpos=info.pos[None])
+    assert not jax.make_jaxpr(lambda: on_device(_tables(opts), opts, info, info))().eqns
+    traced = info._replace(static_pos=None)
+    assert jax.make_jaxpr(lambda: on_device(_tables(opts), opts, traced, traced))().eqns
+
+
+def test_sink_step_keys_and_segments():
+    """The sink step's keys are the same on every device; segment ids send the tables back to XLA."""
+    first = TokenInfo.first(64)
+    assert first.is_static and first.on_device(5).pos.tolist() == list(range(64))
+    opts = StepOptions.sink_step(AttentionOptions(causal=True, num_sink_tokens=4))
+    info = ring._shard_info(opts, ring._own, T)
+    got = on_device(lambda q, k: range_table(opts, q, k, 64, 64), opts, info._replace(segpos=info.pos[None]), first)
+    assert isinstance(got, np.ndarray) and got[:, :, 3].min() == 1  # every query tile sees the sinks' block
+    with_ids = info._replace(seg=jnp.zeros((1, T), jnp.int32))
+    assert not with_ids.is_static
