@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import need_devices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -13,6 +12,8 @@ from ringjax.core.masks import StepOptions, TokenInfo
 from ringjax.core.schedule import ring_plan
 from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
 from ringjax.options import AttentionOptions
+
+from harness import need_devices
 
 T = 512  # tokens per device: 8 query blocks of 64, 4 key blocks of 128
 
@@ -88,3 +89,14 @@ def test_sink_step_keys_and_segments():
     assert isinstance(got, np.ndarray) and got[:, :, 3].min() == 1  # every query tile sees the sinks' block
     with_ids = info._replace(seg=jnp.zeros((1, T), jnp.int32))
     assert not with_ids.is_static
+
+
+def test_long_operands_stay_in_xla(monkeypatch):
+    """Past `STATIC_TOKENS` the quadratic block tables are left to XLA: numpy would cost trace time and memory."""
+    from ringjax.core import visits
+
+    opts = AttentionOptions(causal=True)
+    info = ring._shard_info(opts, ring._own, T)
+    assert isinstance(on_device(_tables(opts), opts, info, info)[0], np.ndarray)
+    monkeypatch.setattr(visits, "STATIC_TOKENS", T - 1)
+    assert jax.make_jaxpr(lambda: on_device(_tables(opts), opts, info, info))().eqns

@@ -126,14 +126,20 @@ def block_starts(info: TokenInfo, size: int):
     return info.pos.reshape(-1, size)[:, 0].astype(np.int32)
 
 
+# longest operand (tokens) whose tables `on_device` builds in numpy: block tables are quadratic in the length, and
+# past this a launch's work dwarfs the few microseconds XLA's table kernels take
+STATIC_TOKENS = 32768
+
+
 def on_device(fn, opts: AttentionOptions, *infos: TokenInfo):
-    """`fn(*infos)`, a pytree of integer tables, built with numpy where every info `is_static`.
+    """`fn(*infos)`, a pytree of integer tables, built with numpy where every info `is_static` (and none is
+    longer than `STATIC_TOKENS`).
 
     A ring's devices hold different positions: the tables of every device are then stacked, and this
     device's row is taken by its axis index (one small gather), unless they are all the same. Otherwise
     `fn` runs on the traced infos.
     """
-    if not all(info.is_static for info in infos):
+    if not all(info.is_static and info.pos.shape[0] <= STATIC_TOKENS for info in infos):
         return fn(*infos)
     devices = max(info.static_pos.shape[0] for info in infos)
     per_device = [fn(*(info.on_device(r) for info in infos)) for r in range(devices)]
