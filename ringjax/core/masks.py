@@ -25,9 +25,9 @@ def array_module(x):
 class TokenInfo(NamedTuple):
     """Per-token metadata of a block of queries or keys."""
 
-    pos: jnp.ndarray  # [T] int32 global positions
+    pos: jnp.ndarray | np.ndarray  # [T] int32 global positions (numpy: one device's, `on_device`)
     seg: jnp.ndarray | None  # [B, T] int32 segment ids (negative: padding), or None
-    segpos: jnp.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
+    segpos: jnp.ndarray | np.ndarray | None = None  # [B, T] int32 offset within its segment (sink tokens, chunks)
     # numpy [N or 1, T]: `pos` on each device of the ring axis (one row: the same on all), where the layout alone
     # decides them; without segment ids, so `segpos` (if any) is `pos` itself. Lets tables be built in numpy.
     static_pos: np.ndarray | None = None
@@ -46,6 +46,7 @@ class TokenInfo(NamedTuple):
 
     def on_device(self, r: int) -> TokenInfo:
         """The numpy TokenInfo of device r (needs `is_static`)."""
+        assert self.static_pos is not None
         pos = self.static_pos[min(r, self.static_pos.shape[0] - 1)]
         return TokenInfo(pos, None, None if self.segpos is None else pos[None, :])
 
