@@ -93,15 +93,30 @@ def unavailable(library: str) -> str | None:
 OTHER_IMPLEMENTATION = {"cudnn": "cudnn", "tokamax": "mosaic"}
 
 
+def v_padded(attn):
+    """attn(q, k, v) for a v narrower than k (multi-head latent attention) where `attn` takes v with k's head_dim
+    only (jax.nn, tokamax): v zero-padded to it and the output sliced back, as a JAX user would run it."""
+
+    def run(q, k, v):
+        dv = v.shape[-1]
+        if dv < k.shape[-1]:
+            v = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, k.shape[-1] - dv)])
+        return attn(q, k, v)[..., :dv]
+
+    return run
+
+
 def other_attention(library: str, causal: bool, **options):
-    """cuDNN through `jax.nn.dot_product_attention` or tokamax's Mosaic GPU kernel, as attn(q, k, v)."""
+    """cuDNN through `jax.nn.dot_product_attention` or tokamax's Mosaic GPU kernel, as attn(q, k, v) (`v_padded`:
+    the padded columns' work is not counted)."""
     if library == "cudnn":
         fn = jax.nn.dot_product_attention
     else:
         import tokamax
 
         fn = tokamax.dot_product_attention
-    return lambda q, k, v: fn(q, k, v, is_causal=causal, implementation=OTHER_IMPLEMENTATION[library], **options)
+    return v_padded(lambda q, k, v: fn(q, k, v, is_causal=causal, implementation=OTHER_IMPLEMENTATION[library],
+                                       **options))
 
 
 REFERENCE_MAX_SCORES = 2**31  # B*H*T*T float32 scores that the XLA reference materializes (8 GiB)
@@ -115,8 +130,8 @@ def reference(q, k, v, causal: bool):
     batch, tokens, heads, _ = q.shape
     if batch * heads * tokens * tokens <= REFERENCE_MAX_SCORES:
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-        return "xla float32", jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="xla"))(*f32)
+        return "xla float32", jax.jit(v_padded(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="xla")))(*f32)
     if unavailable("cudnn") is None:
         return "cudnn", jax.jit(other_attention("cudnn", causal))(q, k, v)
     return None, None
@@ -265,7 +280,7 @@ def run_step(args, rec: Recorder):
         ref_name, ref = reference(*inputs[:3], causal)
         flops = shape.flops(t, causal)
         for library in ("ringjax", "cudnn", "tokamax"):
-            case = {"library": library, "T": t, "causal": causal, **dataclasses.asdict(shape)}
+            case = {"library": library, "T": t, "causal": causal, **shape.fields()}
             if library != "ringjax":
                 rec.add(case, **timed_other(library, causal, inputs, flops, args))
             elif args.variant:
@@ -330,7 +345,7 @@ def run_ring(args, rec: Recorder):
     for tp in progress(args.tokens_per_device, "ring"):
         t = n * tp
         case = {"devices": n, "tokens_per_device": tp, "T": t, "layout": "zigzag", "causal": True,
-                **dataclasses.asdict(shape)}
+                **shape.fields()}
         kv_elements = 2 * shape.batch * tp * shape.kv_heads * shape.head_dim  # one shard's K and V
         flops = shape.flops(t, True)
         try:
@@ -398,7 +413,7 @@ def run_strategies(args, rec: Recorder):
         ring_out = None  # ring runs first: the others are checked against its output
         for strategy in strategies:
             case = {"devices": n, "tokens_per_device": tp, "T": t, "strategy": strategy, "layout": args.layout,
-                    "causal": args.causal, **dataclasses.asdict(shape)}
+                    "causal": args.causal, **shape.fields()}
             mesh, axis = strategy_mesh(strategy, n)
 
             def attn(q, k, v):
@@ -441,7 +456,7 @@ def run_prefill(args, rec: Recorder):
         base = None
         for impl in dict.fromkeys(("xla", args.implementation)):
             for strategy in ("pass_q", "pass_kv"):
-                case = {**dataclasses.asdict(shape), "cached": t, "t": t, "devices": n, "implementation": impl,
+                case = {**shape.fields(), "cached": t, "t": t, "devices": n, "implementation": impl,
                         "strategy": strategy}
                 try:
                     fn = jax.jit(lambda q, c, impl=impl, strategy=strategy: ringjax.cache_attention(
@@ -474,6 +489,8 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
     return [
         ("plain", shape, {}, {}),
         *((f"head_dim={other.head_dim}", other, {}, {}) for other in (half, three_quarters, one_and_half, double)),
+        # multi-head latent attention (DeepSeek-V2/V3): q/k 3D/2, v D (192 / 128 at the default D)
+        ("mla", dataclasses.replace(one_and_half, v_head_dim=shape.head_dim), {}, {}),
         ("float32", dataclasses.replace(shape, dtype="float32"), {}, "cuDNN attention has no float32"),
         ("alibi", shape, {"alibi_slopes": 2.0 ** (-8.0 * jnp.arange(1, heads + 1) / heads)}, absent("ALiBi")),
         ("dropout", shape, {"dropout_rate": 0.1, "dropout_rng": jax.random.key(1)}, absent("dropout")),
@@ -512,7 +529,7 @@ def run_coverage(args, rec: Recorder):
         plain = None
         inputs_by_shape = {}
         for name, shape, options, cudnn_options in progress(wanted, f"coverage T={t}"):
-            case = {"feature": name, "T": t, "causal": True, **dataclasses.asdict(shape)}
+            case = {"feature": name, "T": t, "causal": True, **shape.fields()}
             flops = shape.flops(t, True)
             try:
                 if shape not in inputs_by_shape:
@@ -569,7 +586,7 @@ def run_precision(args, rec: Recorder):
             baseline = None
             for library, implementation in [("jax.nn", None)] + [("ringjax", i) for i in PRECISION_IMPLEMENTATIONS]:
                 case = {"library": library, "asked": implementation or "jax.nn", "precision": precision, "T": t,
-                        "causal": True, **dataclasses.asdict(shape)}
+                        "causal": True, **shape.fields()}
                 attn = (ringjax_attention(implementation, True) if library == "ringjax"
                         else lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
                 start = time.perf_counter()
@@ -605,7 +622,7 @@ def run_million(args, rec: Recorder):
     --variant: the config `--implementation` runs by itself, then each variant's, one after the other."""
     shape, n, t = args.shape, args.devices, args.tokens
     mesh = make_mesh((n,), ("sp",))
-    case = {"tokens": t, "devices": n, "layout": "zigzag", "causal": True, **dataclasses.asdict(shape)}
+    case = {"tokens": t, "devices": n, "layout": "zigzag", "causal": True, **shape.fields()}
     base = None
     for overrides in [{}] + args.variant:
         row_case = {**case, "variant": variant_name(overrides)} if args.variant else case
@@ -681,12 +698,12 @@ def run_decode(args, rec: Recorder):
             try:
                 cache, _ = decode_cache(mesh, shape, batch, cache_len)
             except Exception as e:  # noqa: BLE001 - e.g. out of memory
-                rec.add({**dataclasses.asdict(shape), "batch": batch, "cache": cache_len, "t": 0,
+                rec.add({**shape.fields(), "batch": batch, "cache": cache_len, "t": 0,
                          "library": "ringjax", "devices": n}, error=failure(e))
                 continue
             kv_bytes = batch * cache_len * shape.kv_heads * 2 * shape.head_dim * itemsize
             for t in args.ts:
-                case = {**dataclasses.asdict(shape), "batch": batch, "cache": cache_len, "t": t, "devices": n}
+                case = {**shape.fields(), "batch": batch, "cache": cache_len, "t": t, "devices": n}
                 q = jax.random.normal(jax.random.key(t), (batch, t, shape.heads, shape.head_dim), shape.dtype)
 
                 def row(seconds, **fields):
@@ -764,7 +781,7 @@ def title(rows: list[dict]) -> str:
     """Where and when: device kind and count, jax and ringjax versions, date, shape."""
     r = rows[-1]
     case = next((x["case"] for x in rows if x["case"].get("feature", "plain") == "plain"), r["case"])
-    shape = Shape(**{f.name: case[f.name] for f in dataclasses.fields(Shape)}).describe()
+    shape = Shape.of_row(case).describe()
     runs = sorted({x.get("options", {}).get("back_to_back") or 1 for x in rows})
     floors = sorted({x.get("options", {}).get("sample_ms") or 0 for x in rows} - {0})
     parts = ([] if runs == [1] else [f"timed {' / '.join(map(str, runs))} calls back to back per sample"]) + (
@@ -1237,6 +1254,9 @@ def parser() -> argparse.ArgumentParser:
     shape = common.add_argument_group("shape (default bf16, batch 1, 32 q / 8 kv heads, head_dim 128)")
     for flag, kind in (("--batch", int), ("--heads", int), ("--kv-heads", int), ("--head-dim", int), ("--dtype", str)):
         shape.add_argument(flag, type=kind)
+    shape.add_argument("--v-head-dim", type=POSITIVE_INT,
+                       help="v's head_dim where it differs from q's and k's (step only; e.g. --head-dim 192 "
+                            "--v-head-dim 128, multi-head latent attention)")
     multi = argparse.ArgumentParser(add_help=False)
     multi.add_argument("--devices", type=POSITIVE_INT, help="local devices to use (default: all)")
 
@@ -1275,8 +1295,8 @@ def parser() -> argparse.ArgumentParser:
         if name == "coverage":
             s.add_argument("--features", type=lambda x: x.split(","),
                            help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<3D/4>, head_dim=<3D/2>, "
-                                "head_dim=<2D>, float32, alibi, dropout, sink_tokens, chunked, segments, "
-                                "chunked_documents, soft_cap, window, learnable_sinks (default: all)")
+                                "head_dim=<2D>, mla (q/k 3D/2, v D), float32, alibi, dropout, sink_tokens, chunked, "
+                                "segments, chunked_documents, soft_cap, window, learnable_sinks (default: all)")
             s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
             s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' and 'chunked_documents' (default 2048)")
             s.add_argument("--candidates", action="store_true",
@@ -1326,7 +1346,10 @@ def resolve(args) -> argparse.Namespace:
     for key, value in {**SHAPE, **timing, **suite.defaults, **(TINY_SHAPE | suite.tiny if args.tiny else {})}.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype)
+    if getattr(args, "v_head_dim", None) is not None and args.suite != "step":
+        raise SystemExit(f"--v-head-dim: only the step suite takes it (coverage has its 'mla' row), not {args.suite}")
+    args.shape = Shape(args.batch, args.heads, args.kv_heads, args.head_dim, args.dtype,
+                       getattr(args, "v_head_dim", None))
     if getattr(args, "variant", None) and args.implementation == "auto":
         raise SystemExit("--variant needs --implementation naming the implementation whose config it varies")
     available = jax.local_device_count()

@@ -67,29 +67,50 @@ def timeit(fn, *args, reps: int = 10, warmup: int = 2, budget_s: float = float("
 MAX_CALLS_PER_SAMPLE = 1000
 
 
-def attention_flops(batch: int, heads: int, tokens: int, head_dim: int, causal: bool, bwd: bool) -> float:
-    """Matmul FLOPs of attention over `tokens`: 4 B H T^2 D forward, half when causal, x3.5 with the backward."""
-    f = 4.0 * batch * heads * tokens * tokens * head_dim * (0.5 if causal else 1.0)
+def attention_flops(batch: int, heads: int, tokens: int, head_dim: int, causal: bool, bwd: bool,
+                    v_head_dim: int | None = None) -> float:
+    """Matmul FLOPs of attention over `tokens`: 2 B H T^2 (D + Dv) forward (QK^T and PV; 4 B H T^2 D where v's
+    head_dim Dv is q's), half when causal, x3.5 with the backward."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    f = 2.0 * batch * heads * tokens * tokens * (head_dim + dv) * (0.5 if causal else 1.0)
     return f * (FWD_BWD if bwd else FWD)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """Everything about q, k, v but their length."""
+    """Everything about q, k, v but their length; `v_head_dim` None: v's head_dim is q's and k's."""
 
     batch: int
     heads: int
     kv_heads: int
     head_dim: int
     dtype: str
+    v_head_dim: int | None = None
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def flops(self, tokens: int, causal: bool) -> float:
         """Forward FLOPs over `tokens`."""
-        return attention_flops(self.batch, self.heads, tokens, self.head_dim, causal, bwd=False)
+        return attention_flops(self.batch, self.heads, tokens, self.head_dim, causal, bwd=False,
+                               v_head_dim=self.v_head_dim)
+
+    def fields(self) -> dict:
+        """The shape as a results row's fields (`v_head_dim` only where it differs from q's)."""
+        row = dataclasses.asdict(self)
+        if self.v_head_dim is None:
+            del row["v_head_dim"]
+        return row
+
+    @classmethod
+    def of_row(cls, row: dict) -> Shape:
+        return cls(**{f.name: row[f.name] for f in dataclasses.fields(cls) if f.name in row})
 
     def describe(self) -> str:
+        v = "" if self.v_head_dim is None else f", v {self.v_head_dim}"
         return (f"{self.dtype}, batch {self.batch}, {self.heads} q / {self.kv_heads} kv heads, "
-                f"head_dim {self.head_dim}")
+                f"head_dim {self.head_dim}{v}")
 
 
 def random_inputs(shape: Shape, tokens: int, sharding=None, seed: int = 0):
@@ -103,12 +124,13 @@ def random_inputs(shape: Shape, tokens: int, sharding=None, seed: int = 0):
 @functools.cache
 def _generator(shape: Shape, tokens: int, sharding):
     """One compiled generator per (shape, length, sharding): compiling it costs more than running it."""
-    heads = (shape.heads, shape.kv_heads, shape.kv_heads, shape.heads)
+    # q, k, v, do: heads and head_dim of each
+    dims = ((shape.heads, shape.head_dim), (shape.kv_heads, shape.head_dim), (shape.kv_heads, shape.value_dim),
+            (shape.heads, shape.value_dim))
 
     def make(key):
         keys = jax.random.split(key, 4)
-        return tuple(jax.random.normal(k, (shape.batch, tokens, h, shape.head_dim), shape.dtype)
-                     for k, h in zip(keys, heads))
+        return tuple(jax.random.normal(k, (shape.batch, tokens, h, d), shape.dtype) for k, (h, d) in zip(keys, dims))
 
     return jax.jit(make, out_shardings=sharding)
 

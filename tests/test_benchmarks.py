@@ -114,7 +114,7 @@ def check_strategies(rows):
 
 def check_coverage(rows):
     features = [r["case"]["feature"] for r in rows]
-    assert features == ["plain", "head_dim=16", "head_dim=24", "head_dim=48", "head_dim=64", "float32", "alibi",
+    assert features == ["plain", "head_dim=16", "head_dim=24", "head_dim=48", "head_dim=64", "mla", "float32", "alibi",
                         "dropout", "sink_tokens", "chunked", "segments", "chunked_documents", "soft_cap", "window",
                         "learnable_sinks"]
     for r in rows:
@@ -243,6 +243,26 @@ def test_step_masks_picks_the_cases(tmp_path):
     child = run_bench(tmp_path, "step", "--tiny", "--implementation", "xla", "--masks", "full")
     assert child.returncode == 0, child.stderr[-3000:]
     assert {r["case"]["causal"] for r in rows_of(tmp_path, "step")} == {False}
+
+
+def test_step_takes_a_v_head_dim_of_its_own(tmp_path, bench):
+    """--v-head-dim (multi-head latent attention): v and the output take it, the reference pads v as cuDNN's runs
+    do, FLOPs count QK^T at q's head_dim and PV at v's, and no calibration reads the rows; other suites refuse it."""
+    from ringjax.dispatch import calibrate
+
+    child = run_bench(tmp_path, "step", "--tiny", "--implementation", "xla", "--masks", "full", "--head-dim", "48",
+                      "--v-head-dim", "32")
+    assert child.returncode == 0, child.stderr[-3000:]
+    (row,) = [r for r in rows_of(tmp_path, "step") if r["case"]["library"] == "ringjax"]
+    assert row["case"]["head_dim"] == 48 and row["case"]["v_head_dim"] == 32
+    assert row["rel_err"] < 2e-2 and row["reference"] == "xla float32"
+    t = row["case"]["T"]
+    assert bench.Shape.of_row(row["case"]).flops(t, False) == 2 * 4 * t * t * (48 + 32)
+    assert calibrate.kernel_row(row, "x") is None
+    plain = bench.Shape(1, 4, 2, 48, "bfloat16")
+    assert plain.flops(t, True) == 4 * 4 * t * t * 48 / 2 and "v_head_dim" not in plain.fields()
+    bad = run_bench(tmp_path, "coverage", "--tiny", "--v-head-dim", "32")
+    assert bad.returncode != 0 and "--v-head-dim: only the step suite" in bad.stderr
 
 
 def test_coverage_variants_follow_each_feature(tmp_path):

@@ -47,6 +47,8 @@ def kernel_row(result: Mapping[str, Any], source: str) -> dict[str, Any] | None:
         return None
     if "variant" in case:  # an A/B of configs (`bench.py step --variant`), not what the library runs by itself
         return None
+    if case.get("v_head_dim") is not None:  # multi-head latent attention: the cost model prices v at q's head_dim
+        return None
     suite = result.get("suite")
     features: dict[str, Any]
     if suite == "coverage":
