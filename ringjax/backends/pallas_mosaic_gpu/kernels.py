@@ -1018,18 +1018,22 @@ def _launch(kernel, args, out_type, scratch, *, grid, rows: str, walk: _Walk, gr
     return _unify_with(args, acc[...], *outs)
 
 
-def _has_prefix(opts: AttentionOptions, transpose: bool = False) -> bool:
-    """Whether the visit table's rows start with a prefix range (`visits.sink_range_table`): sink tokens, queries
-    as rows, and a mask that hides something besides."""
-    return (bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts)
-            and may_skip(dataclasses.replace(opts, num_sink_tokens=0)))
+def _sink_rows(opts: AttentionOptions, transpose: bool) -> bool:
+    """Whether the visit table is `visits.sink_range_table`'s: sink tokens outside the sink step, queries as rows."""
+    return bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts)
+
+
+def _has_prefix(opts: AttentionOptions) -> bool:
+    """Whether the forward and dQ visit tables' rows start with a prefix range: sink tokens, and a mask that hides
+    something besides (else `sink_range_table` has no table)."""
+    return _sink_rows(opts, False) and may_skip(dataclasses.replace(opts, num_sink_tokens=0))
 
 
 def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
                  transpose: bool = False):
     """`visits.range_table`, or with sink tokens (queries as rows) `visits.sink_range_table` whose rows start
     with a prefix range; a placeholder the kernel never reads when the mask hides nothing."""
-    if bool(opts.num_sink_tokens) and not transpose and not is_sink_step(opts):
+    if _sink_rows(opts, transpose):
         rng = sink_range_table(opts, rows, cols, row_size, col_size)
     else:
         rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
@@ -1055,10 +1059,6 @@ def _step_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenI
         return _per_source(visits, fused), block_starts(q_info, q_block), kstarts, order
 
     return on_device(build, opts, q_info, *k_infos)
-
-
-def _segment_args(q_info: TokenInfo, k_info: TokenInfo):
-    return [q_info.seg.astype(jnp.int32), k_info.seg.astype(jnp.int32)] if q_info.seg is not None else []
 
 
 def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opts: AttentionOptions,
