@@ -801,7 +801,9 @@ def test_chip_model_is_kept_where_a_chip_is_named():
 def test_predictions_within_the_tie_tolerance_go_by_priority(monkeypatch):
     """2 H100, jax 0.11.2, 2026-11-28, all_gather at 32K tokens per GPU, 32 KV heads: the Triton kernels were
     predicted 1-2% faster than the Mosaic GPU kernels and ran 1.33x slower (174 ms fwd+bwd against the fused
-    ring's 131). Closer than registry.TIE_TOLERANCE, the higher priority runs."""
+    ring's 131). Closer than registry.TIE_TOLERANCE, the higher priority runs. Since 2026-12-05 the Triton line
+    not causal is no longer fitted at 3400 TFLOP/s forward (costs._MOST_ROW_GAIN): the Mosaic kernels are predicted
+    ahead there, so the tolerance is checked on predictions made 2% apart."""
     from ringjax.backends.pallas_mosaic_gpu import implementation as mosaic
 
     problem = dataclasses.replace(_problem(seq=32768, axis_name="sp", axis_size=2, layout="zigzag", gather_kv=True),
@@ -809,8 +811,20 @@ def test_predictions_within_the_tie_tolerance_go_by_priority(monkeypatch):
     calibration = costs.load(H100)
     triton, own = (costs.predict(calibration, name, problem).fwd_bwd_s for name in ("pallas_triton",
                                                                                      "pallas_mosaic_gpu"))
-    assert triton < own < (1 + registry.TIE_TOLERANCE) * triton
-    assert _auto(problem) == "pallas_mosaic_gpu"
+    assert own < triton and _auto(problem) == "pallas_mosaic_gpu"
+    predict = costs.predict
+    reg = next(r for r in registry.registrations("ring_attention") if r.name == "pallas_mosaic_gpu")
+    theirs = predict(calibration, "pallas_mosaic_gpu", *registry._priced(reg, problem)).fwd_bwd_s
+    for ahead, runs in ((1.02, "pallas_mosaic_gpu"), (1.10, "pallas_triton")):
+        def triton_ahead(calibration, implementation, problem, launches=None, ahead=ahead):
+            found = predict(calibration, implementation, problem, launches)
+            if implementation == "pallas_triton":
+                found = dataclasses.replace(found, fwd_bwd_s=theirs / ahead)
+            return found
+
+        with monkeypatch.context() as m:
+            m.setattr(costs, "predict", triton_ahead)
+            assert _auto(problem) == runs, ahead  # 2% ahead: within the tolerance, by priority; 10%: by the time
     # where the heuristic gathers by the fused ring's kernel, that ring is what is priced: one launch
     monkeypatch.setattr(mosaic, "fuses_ring", lambda p: p.opts.gather_kv)
     ring, launches = mosaic.IMPLEMENTATION.priced_as(problem)
@@ -847,3 +861,28 @@ def test_a_ring_larger_than_this_host_is_described():
     assert not registry.described(problem(1)) and not registry.described(problem(jax.device_count()))
     assert registry.described(problem(jax.device_count() + 1))
     assert registry.described(dataclasses.replace(problem(1), device_kind="NVIDIA H200")) == (kind != "NVIDIA H200")
+
+
+def test_short_calls_are_priced_at_least_the_shortest_measured():
+    """256-token calls (4 q / 2 kv heads, head_dim 64) on one H100, jax 0.11.2, 2026-12-05, held out of the
+    calibration: every implementation took 50-150 us, as long as its 1K calls. The lines, fitted at 1K and more,
+    priced XLA's at 3 us and Mosaic's at 17 us; each line's shortest call (`Line.floor_s`) now bounds them."""
+    path = "benchmarks/results/checks/nvidia-h100-80gb-hbm3_2026-12-05_short_calibration_rows.jsonl"
+    rows = [row for row in map(json.loads, open(path)) if row["seq"] == 256]
+    calibration = costs.load(H100)
+    assert len(rows) == 6
+    for row in rows:
+        found = costs.predict(calibration, row["implementation"], costs.problem_of(row, "gpu", H100))
+        assert found.fwd_s > 0.5 * row["fwd_ms"] * 1e-3 and found.fwd_bwd_s > 0.5 * row["fwd_bwd_ms"] * 1e-3, row
+
+
+@pytest.mark.parametrize("kind", [H100, H200])
+def test_fitted_rates_stay_below_the_chip(kind):
+    """No line prices the visible work faster than Hopper's dense bf16 peak (989 TFLOP/s): with too few lengths
+    to tell the per-row term from the FLOPs', the H100's Triton forward (not causal, rows at 1K-4K synced with
+    the host) was fitted at 3400 and priced a 32K call at 10 ms (`costs._MOST_ROW_GAIN`)."""
+    calibration = costs.load(kind)
+    for implementation in ("pallas_mosaic_gpu", "pallas_triton", "xla"):
+        rates = calibration.rates_for(implementation, "bfloat16")
+        for causal, line in rates.lines.items():
+            assert max(line.tflops.values()) < 989, (implementation, causal, line)

@@ -332,6 +332,11 @@ class Line:
     # cost linear in the queries (loading q, writing out, a causal kernel's diagonal tiles computed whole):
     # fitted where lengths spanning 8x or more were measured, else 0
     row_s: Mapping[str, float] = dataclasses.field(default_factory=lambda: {m: 0.0 for m in MODES})
+    # the shortest call measured on this line at up to FLOOR_SEQ tokens (0 where none was): no call is priced below
+    # it. The terms above extrapolate to nothing: on one H100 (2026-12-05) a 256-token call was priced 3 us by
+    # XLA's line (fitted at 1K tokens and more) and 17 us by Mosaic's, where all three implementations took
+    # 50-150 us, as long as their 1K calls (launch-bound)
+    floor_s: Mapping[str, float] = dataclasses.field(default_factory=lambda: {m: 0.0 for m in MODES})
 
     def fixed_s(self, mode: str, calls: int, rows: float) -> float:
         """The part of a call's time that is not its FLOPs."""
@@ -366,7 +371,7 @@ class Rates:
             factor *= self.features.get(name, {}).get(mode, 1.0)
         line = self.line(causal)
         rate = line.tflops[mode] * 1e12 * self._head_dim_factor(head_dim, mode)
-        return line.fixed_s(mode, calls, rows) + flops / rate * factor
+        return max(line.fixed_s(mode, calls, rows) + flops / rate * factor, line.floor_s[mode] * calls)
 
     def _head_dim_factor(self, head_dim: float, mode: str) -> float:
         dims = {REFERENCE_HEAD_DIM: {m: 1.0 for m in MODES}, **self.head_dims}
@@ -506,6 +511,15 @@ def _fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
 # 8K and 32K alone, have a 0.49 ms forward intercept that took all of the 8K masks' 0.48-0.59 ms, so their
 # factors fitted to 0-0.002 and 32K masks were predicted 69-87% low
 _MOST_FIXED = 0.8
+# calls this short are launch-bound on Hopper (one H100, 2026-12-05: Mosaic's causal forward took 87 us at 256, 1K
+# and 88-95 us at 2K tokens): the shortest of them measured is each line's floor (`Line.floor_s`); a longer row
+# would price every shorter call at its own time
+FLOOR_SEQ = 2048
+# where too few lengths were measured, the per-row term may raise the line's rate over the intercept's by at most
+# this: fitted to 8K and 32K it moved the H100's Mosaic forward 16% (right, by 1K-32K rows); to 1K-4K rows synced
+# with the host, which grow with the length, it put all the time in the rows and the H100's Triton forward (not
+# causal) at 3400 TFLOP/s, pricing a 32K call 10 ms where it takes about 40
+_MOST_ROW_GAIN = 1.25
 # lengths a kernel line needs for its per-row term: at least this many, the longest this many times the shortest
 _ROW_FIT_LENGTHS, _ROW_FIT_SPAN = 4, 8
 
@@ -538,7 +552,7 @@ def _fit_kernel_line(points: list[tuple[int, float, float, float]]) -> tuple[flo
     if overhead > 0:  # so at two lengths or more
         _, f, r, t = np.array(points, dtype=float).T
         per_flop, row_s = np.linalg.lstsq(np.stack([f, r], 1), t, rcond=None)[0]
-        if per_flop > 0 and row_s >= 0:
+        if per_flop > 0 and row_s >= 0 and 1.0 / per_flop <= _MOST_ROW_GAIN * rate:
             return 0.0, float(1.0 / per_flop), float(row_s)
     return overhead, rate, 0.0
 
@@ -617,7 +631,8 @@ def fit_rates(rows: Sequence[Mapping[str, Any]]) -> Rates:
             overhead["fwd"], per_row["fwd"] = min(overhead["fwd"], overhead["fwd_bwd"]), min(per_row["fwd"],
                                                                                                 per_row["fwd_bwd"])
             tflops["fwd"] = _fit_rate(fitted["fwd"], overhead["fwd"], per_row["fwd"]) / 1e12
-        lines[causal] = Line(tflops, overhead, per_row)
+        floor = {mode: min((t for n, *_, t in fitted[mode] if n <= FLOOR_SEQ), default=0.0) for mode in fitted}
+        lines[causal] = Line(tflops, overhead, per_row, floor)
     fallback = lines.get(True) or lines[False]
 
     def factor(row, flops, causal, mode, scale):
