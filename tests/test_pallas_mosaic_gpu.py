@@ -126,8 +126,9 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
         mods.update(keep=keep, rate=dropout_rate)
         extras = extras._replace(dropout_seed=jnp.asarray(seed))
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
-    # without segments a token's offset in its segment (what sink tokens read) is its position
-    segpos = (lambda pos: jnp.asarray(pos)[None]) if opts.num_sink_tokens else (lambda pos: None)  # noqa: E731
+    # a token's offset in its document (what sink tokens read): without segments its position
+    offsets = np.arange(total)[None] if seg is None else _offsets(seg)
+    segpos = (lambda pos: jnp.asarray(offsets[:, pos])) if opts.num_sink_tokens else (lambda pos: None)  # noqa: E731
     qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]), segpos(qpos))
     ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]), segpos(kpos))
     out, lse = block_fwd(q, k, v, qi, ki, extras, opts, config)
@@ -177,6 +178,15 @@ def _docs(batch, total):
     return seg
 
 
+def _offsets(seg):
+    """[B, T] offset of each token within its run of equal ids (the float64 reference's own count)."""
+    out = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            out[b, t] = out[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    return out
+
+
 def _with_docs(kw, total):
     """(step kwargs without "segments", batch, packed documents or None): segments=True asks for documents."""
     kw = dict(kw)
@@ -210,6 +220,11 @@ STEP_CASES = [
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96, num_sink_tokens=2)),
     ("contiguous", 4, 2, 0, 256, "float16", dict(causal=True, window=(100, 0), num_sink_tokens=3, sink_step=True)),
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True, window=(90, 0), num_sink_tokens=3)),
+    # sink tokens of packed documents: each document's first tokens, wherever it starts (the ids carry the flag)
+    ("contiguous", 2, 1, 0, 256, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=3, segments=True)),
+    ("contiguous", 1, 0, 0, 256, "float16", dict(causal=True, window=(40, 0), num_sink_tokens=4, segments=True)),
+    ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, window=(90, 0), num_sink_tokens=2, segments=True,
+                                              dropout_rate=0.1)),
     # the all-gather schedule's natural key order, and Ulysses' interleaved subshards
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, gather=True)),
     ("striped", 2, 0, 0, 256, "float16", dict(causal=True, gather=True, window=(90, 0))),
@@ -517,6 +532,11 @@ RING_CASES = [
      dict(causal=True, chunk_size=100)),
     (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=64, segments="random"),
      dict(chunk_size=64)),
+    # sink tokens of packed documents: every document's first tokens, from any shard
+    (2, "zigzag", "bfloat16", dict(seq=1024, batch=2, heads=4, kv_heads=2, head_dim=128, segments="random"),
+     dict(causal=True, sliding_window=100, num_sink_tokens=4)),
+    (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=2, head_dim=256, segments="random"),
+     dict(causal=True, sliding_window=60, num_sink_tokens=2)),
     # v with a head_dim of its own (multi-head latent attention): split backward, and not
     (2, "zigzag", "bfloat16", dict(seq=512, heads=4, kv_heads=2, head_dim=192, v_head_dim=128), dict(causal=True)),
     (1, "contiguous", "float16", dict(seq=512, batch=2, heads=4, kv_heads=1, head_dim=128, v_head_dim=64,
@@ -875,8 +895,8 @@ def _problem(**kw):
     (dict(head_dim=80), "head_dim 80 is not supported"),
     (dict(v_head_dim=80), "v head_dim 80 is not supported"),
     (dict(head_dim=192, v_head_dim=96), "above 128 the backward splits both in halves"),
-    (dict(opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
-     "sink tokens of packed documents (`num_sink_tokens` with `segment_ids`) is not implemented in pallas_mosaic_gpu"),
+    (dict(opts=AttentionOptions(num_sink_tokens=2, has_segments=True, chunk_size=128)),
+     "sink tokens of packed documents with per-document chunks"),
     (dict(seq=192, opts=AttentionOptions(layout="contiguous", subshards=2)),
      "each of the 2 runs of a device's tokens is 96"),
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
@@ -1035,6 +1055,7 @@ def _mosaic_calls_lowered_for_cuda(f, t: int, d: int, dv: int) -> int:
     dict(causal=True, window=(100, 0), logits_soft_cap=30.0, has_segments=True),
     dict(causal=True, window=(100, 0), has_alibi=True, dropout_rate=0.1, num_sink_tokens=4),
     dict(has_segments=True),  # a mask of segment ids only: tiles build no positions (layout inference)
+    dict(causal=True, window=(100, 0), num_sink_tokens=4, has_segments=True),  # ids carrying the sink flag
 ])
 @pytest.mark.parametrize("d", [96, 128, 256, (192, 128), (64, 256)])  # (q/k head_dim, v head_dim)
 def test_kernels_lower_to_mosaic_gpu_for_cuda(kw, d):

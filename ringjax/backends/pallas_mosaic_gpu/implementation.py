@@ -118,6 +118,11 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     why = SUPPORT.refusal("pallas_mosaic_gpu", problem)
     if why:
         return why
+    if opts.num_sink_tokens and opts.has_segments and opts.chunk_size is not None:
+        # the kernels read a key's offset in its document only as "one of the first s" (kernels._segment_tables)
+        return ("sink tokens of packed documents with per-document chunks (`num_sink_tokens`, `segment_ids` and "
+                "`chunk_size` together) is not implemented in pallas_mosaic_gpu: the chunks need every token's "
+                "offset in its document")
     config = config or default_config(problem)
     # a block's positions are start + step * i: every 64-token block of the layout must be evenly spaced
     if block_stride(opts, problem.seq, ROWS) is None:

@@ -184,8 +184,13 @@ def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None,
         rseg = lax.broadcast_in_dim(row_seg, shape, [0])
         cseg = lax.broadcast_in_dim(col_seg, shape, [1])
     qpos, kpos, qseg, kseg = (rpos, cpos, rseg, cseg) if rows_are_queries else (cpos, rpos, cseg, rseg)
-    # sink tokens run here only without segments, where a token's offset in its segment is its position
-    segpos = (qpos, kpos) if opts.num_sink_tokens else (None, None)
+    segpos = (None, None)
+    if opts.num_sink_tokens and opts.has_segments:
+        # the ids carry the sink flag (`_segment_tables`); the rule reads the key's offset only as offset < s
+        qseg, kseg, sink = qseg >> 1, kseg >> 1, kseg & 1
+        segpos = (None, jnp.where(sink == 1, 0, opts.num_sink_tokens))
+    elif opts.num_sink_tokens:  # without segments a token's offset in its segment is its position
+        segpos = (qpos, kpos)
     return visible_pairs(opts, qpos, kpos, qseg, kseg, *segpos)
 
 
@@ -1098,7 +1103,7 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     persist = config.persistent and _short_rows(opts, s * len(k_infos), bk, most=128 if ring is None else 64)
     rng, qstarts, kstarts, order = _step_tables(opts, q_info, k_infos, ROWS, bk, ring is not None,
                                                 order_walk=walk if persist else None)
-    args = _unify([q, k, v, rng, qstarts, kstarts, *_segment_tables(q_info, k_infos, ring is not None),
+    args = _unify([q, k, v, rng, qstarts, kstarts, *_segment_tables(opts, q_info, k_infos, ring is not None),
                    *_mod_args(opts, extras, h)])
     dt, dv = q.dtype, v.shape[3]
     scratch = [
@@ -1250,11 +1255,17 @@ def _per_source(xs, fused: bool):
     return array_module(xs[0]).stack(xs) if fused else xs[0]
 
 
-def _segment_tables(q_info: TokenInfo, k_infos: list[TokenInfo], fused: bool):
-    """[query segment ids, the sources' key segment ids], or none without segments."""
+def _segment_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenInfo], fused: bool):
+    """[query segment ids, the sources' key segment ids], or none without segments. With sink tokens each id is
+    doubled and a key's low bit says whether it is one of its document's first `num_sink_tokens` (`_mask` reads
+    it back): one vector per block, as without them. Negative ids (padding) stay negative."""
     if q_info.seg is None:
         return []
-    return [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
+    if not opts.num_sink_tokens:
+        return [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
+    keys = [x.seg.astype(jnp.int32) * 2 + ((x.seg >= 0) & (x.segpos < opts.num_sink_tokens)).astype(jnp.int32)
+            for x in k_infos]
+    return [q_info.seg.astype(jnp.int32) * 2, _per_source(keys, fused)]
 
 
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:
@@ -1862,7 +1873,7 @@ def _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, r
                      prefix=_has_prefix(opts), split=split)
     rng, qstarts, kstarts, _ = _step_tables(opts, q_info, k_infos, ROWS, bk, ring is not None)
     args = _unify([q, k, v, dout, lse2, delta, rng, qstarts, kstarts,
-                   *_segment_tables(q_info, k_infos, ring is not None), *mods, *recv])
+                   *_segment_tables(opts, q_info, k_infos, ring is not None), *mods, *recv])
     vec = plgpu.SMEM((2, ROWS), jnp.float32)
     # split: dQ contracts a consumer's dS over its 32 keys, a wgmma K group of 32 bf16: 64-byte swizzles, which
     # wgmma wants of both its operands
@@ -1917,7 +1928,7 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     k_infos = k_info if ring is not None else [k_info]
     rng, qstarts, kstarts, _ = _step_tables(opts, q_info, k_infos, bq, ROWS, ring is not None, transpose=True)
     args = _unify([q, k, v, dout, lse2, delta, rng, qstarts, kstarts,
-                   *_segment_tables(q_info, k_infos, ring is not None), *mods])
+                   *_segment_tables(opts, q_info, k_infos, ring is not None), *mods])
     vec = plgpu.SMEM((walk.stages, bq), jnp.float32)
     # split: dK and dV contract a consumer's P^T and dS^T over its 32 queries, a wgmma K group of 32 bf16: 64-byte
     # swizzles, which wgmma wants of both its operands
