@@ -498,6 +498,9 @@ def coverage_features(shape: Shape, t: int, args) -> list[tuple[str, Shape, dict
         ("chunked", shape, {"chunk_size": args.chunk}, absent("chunked mask")),
         ("segments", shape, {"segment_ids": segments}, absent("segment ids")),
         ("chunked_documents", shape, {"chunk_size": args.chunk, "segment_ids": segments}, absent("chunked mask")),
+        # StreamingLLM's sink tokens of each packed document beside a window
+        ("sink_tokens_documents", shape, {"num_sink_tokens": 4, "sliding_window": args.window,
+                                          "segment_ids": segments}, absent("sink tokens")),
         ("soft_cap", shape, {"logits_soft_cap": 30.0}, absent("logits soft cap")),
         ("window", shape, {"sliding_window": args.window}, {"local_window_size": (args.window, 0)}),
         ("learnable_sinks", shape, {"sinks": jnp.zeros((heads,), jnp.float32)}, absent("learnable sinks")),
@@ -1296,8 +1299,10 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--features", type=lambda x: x.split(","),
                            help="comma-separated subset of plain, head_dim=<D/2>, head_dim=<3D/4>, head_dim=<3D/2>, "
                                 "head_dim=<2D>, mla (q/k 3D/2, v D), float32, alibi, dropout, sink_tokens, chunked, "
-                                "segments, chunked_documents, soft_cap, window, learnable_sinks (default: all)")
-            s.add_argument("--window", type=int, help="sliding window of 'window' and 'sink_tokens' (default 1024)")
+                                "segments, chunked_documents, sink_tokens_documents, soft_cap, window, learnable_sinks "
+                                "(default: all)")
+            s.add_argument("--window", type=int, help="sliding window of 'window', 'sink_tokens' and "
+                                                      "'sink_tokens_documents' (default 1024)")
             s.add_argument("--chunk", type=int, help="chunk_size of 'chunked' and 'chunked_documents' (default 2048)")
             s.add_argument("--candidates", action="store_true",
                            help="also time every implementation 'auto' could have run, beside its predicted "

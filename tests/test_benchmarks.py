@@ -115,7 +115,8 @@ def check_strategies(rows):
 def check_coverage(rows):
     features = [r["case"]["feature"] for r in rows]
     assert features == ["plain", "head_dim=16", "head_dim=24", "head_dim=48", "head_dim=64", "mla", "float32", "alibi",
-                        "dropout", "sink_tokens", "chunked", "segments", "chunked_documents", "soft_cap", "window",
+                        "dropout", "sink_tokens", "chunked", "segments", "chunked_documents", "sink_tokens_documents",
+                        "soft_cap", "window",
                         "learnable_sinks"]
     for r in rows:
         assert r["implementation"] == "xla" and r["finite"]

@@ -27,6 +27,7 @@ _COVERAGE = {
     "plain": {}, "float32": {}, "alibi": {"alibi": True}, "dropout": {"dropout_rate": 0.1},
     "sink_tokens": {"num_sink_tokens": 4, "sliding_window": "window"}, "chunked": {"chunk_size": "chunk"},
     "segments": {"segments": True}, "chunked_documents": {"chunk_size": "chunk", "segments": True},
+    "sink_tokens_documents": {"num_sink_tokens": 4, "sliding_window": "window", "segments": True},
     "soft_cap": {"logits_soft_cap": 30.0}, "window": {"sliding_window": "window"},
     "learnable_sinks": {"sinks": True},
 }
