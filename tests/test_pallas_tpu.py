@@ -117,6 +117,14 @@ CASES = {
     "4dev_contiguous_sinks_window_shortened": (
         4, "contiguous", dict(seq=64, batch=1), dict(causal=True, sliding_window=10, num_sink_tokens=3)
     ),
+    # sink tokens of packed documents: each document's first tokens, from any shard (ids carry the flag)
+    "2dev_zigzag_sinks_of_documents_window": (
+        2, "zigzag", dict(seq=64, segments="random"), dict(causal=True, sliding_window=10, num_sink_tokens=2)
+    ),
+    "4dev_contiguous_sinks_of_documents_gqa_bf16": (
+        4, "contiguous", dict(seq=64, heads=4, kv_heads=2, segments="random", dtype="bfloat16"),
+        dict(causal=True, sliding_window=(6, 0), num_sink_tokens=3)
+    ),
     "4dev_striped_mqa_softcap_sinks": (
         4, "striped", dict(seq=32, batch=1, heads=2, kv_heads=1, sinks=True), dict(causal=True, logits_soft_cap=2.0)
     ),
@@ -262,8 +270,6 @@ class _FutureOptions(AttentionOptions):
         (_problem("tpu", head_dim=80), "head_dim 80 is not supported"),
         (_problem("tpu", seq=24, dtype="bfloat16"), "multiple of 16 for bfloat16"),
         (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2, chunk_size=8)), "sink tokens with chunk_size"),
-        (_problem("tpu", opts=AttentionOptions(num_sink_tokens=2, has_segments=True)),
-         "(`num_sink_tokens` with `segment_ids`) is not implemented"),
         (_problem("tpu", opts=_FutureOptions(future_rule=4)), "future_rule is not implemented"),
     ],
 )
@@ -346,6 +352,7 @@ _BOTH_RINGS = [
 _STEP_RING_ONLY = [
     (2, jnp.bfloat16, dict(causal=True, chunk_size=96, has_alibi=True, dropout_rate=0.1)),
     (2, jnp.float32, dict(causal=True, window=(300, 0), num_sink_tokens=4)),
+    (2, jnp.bfloat16, dict(causal=True, window=(300, 0), num_sink_tokens=4, has_segments=True)),  # of documents
 ]
 
 

@@ -127,16 +127,19 @@ class Meta:
     """Per-step token metadata in the shapes the kernels read.
 
     scalars: SMEM arrays [q pos lo/hi (2*nq), k pos lo/hi (2*nk), and with segments
-    q seg lo/hi (2*B*nq), k seg lo/hi (2*B*nk)]; tiles: q positions [nq, bq, 1],
-    k positions [nk, 1, bk] and with segments [B, nq, bq, 1], [B, nk, 1, bk].
+    q seg lo/hi (2*B*nq), k seg lo/hi (2*B*nk), and with sink tokens too the keys' lowest offset in their
+    document (B*nk)]; tiles: q positions [nq, bq, 1], k positions [nk, 1, bk] and with segments ids
+    [B, nq, bq, 1], [B, nk, 1, bk] (with sink tokens doubled, a key's low bit set where it is one of its
+    document's first `num_sink_tokens`: `MetaRefs.visible` reads it back).
     """
 
     scalars: tuple
     tiles: tuple
 
 
-def _side(info: TokenInfo, size: int, column: bool):
-    """Range scalars and mask tiles of the queries (tiles [n, size, 1]) or keys (tiles [n, 1, size])."""
+def _side(info: TokenInfo, size: int, column: bool, sink_tokens: int = 0):
+    """Range scalars and mask tiles of the queries (tiles [n, size, 1]) or keys (tiles [n, 1, size]);
+    `sink_tokens`: those of each packed document (`Meta`)."""
     r = block_ranges(info, size)
     shape = (-1, size, 1) if column else (-1, 1, size)
 
@@ -146,15 +149,24 @@ def _side(info: TokenInfo, size: int, column: bool):
     scalars, tiles = [flat(r.pos_lo, r.pos_hi)], [info.pos.astype(jnp.int32).reshape(shape)]
     if info.seg is not None:
         scalars.append(flat(r.seg_lo, r.seg_hi))
-        tiles.append(info.seg.astype(jnp.int32).reshape(info.seg.shape[0], *shape))
+        seg = info.seg.astype(jnp.int32)
+        if sink_tokens:
+            seg = seg * 2
+            if not column:
+                seg = seg + ((info.seg >= 0) & (info.segpos < sink_tokens)).astype(jnp.int32)
+                scalars.append(r.segpos_lo.reshape(-1).astype(jnp.int32))
+        tiles.append(seg.reshape(info.seg.shape[0], *shape))
     return scalars, tiles
 
 
-def token_meta(q_info: TokenInfo, k_infos: list[TokenInfo], tl: Tiling, stacked: bool = False) -> Meta:
+def token_meta(q_info: TokenInfo, k_infos: list[TokenInfo], tl: Tiling, stacked: bool = False,
+               sink_tokens: int = 0) -> Meta:
     """Meta of one step, or with `stacked` of every source shard in `k_infos` (the fused ring):
-    K range scalars then concatenated per source, K tiles stacked on a leading source axis."""
-    q_scalars, q_tiles = _side(q_info, tl.block_q, column=True)
-    k_sides = [_side(info, tl.block_kv, column=False) for info in k_infos]
+    K range scalars then concatenated per source, K tiles stacked on a leading source axis. `sink_tokens`: those
+    of each packed document, where segment ids come (else 0)."""
+    sink_tokens = sink_tokens if q_info.seg is not None else 0
+    q_scalars, q_tiles = _side(q_info, tl.block_q, column=True, sink_tokens=sink_tokens)
+    k_sides = [_side(info, tl.block_kv, column=False, sink_tokens=sink_tokens) for info in k_infos]
     if stacked:
         k_scalars = [jnp.concatenate(parts) for parts in zip(*(side[0] for side in k_sides))]
         k_tiles = [jnp.stack(parts) for parts in zip(*(side[1] for side in k_sides))]
@@ -223,8 +235,10 @@ class MetaRefs:
         qs, ks = self.scalar_refs[2], self.scalar_refs[3]
         nb = qs.shape[0] // (2 * nq)
         sb = self.src * 2 * nb * nk
+        # sink tokens of packed documents: the keys' lowest offsets (`Meta`)
+        k_off = self.scalar_refs[4][self.src * nb * nk + b * nk + j] if len(self.scalar_refs) > 4 else None
         q_rng = BlockRange(qr[i], qr[nq + i], qs[b * nq + i], qs[nb * nq + b * nq + i])
-        k_rng = BlockRange(kr[kb + j], kr[kb + nk + j], ks[sb + b * nk + j], ks[sb + nb * nk + b * nk + j])
+        k_rng = BlockRange(kr[kb + j], kr[kb + nk + j], ks[sb + b * nk + j], ks[sb + nb * nk + b * nk + j], k_off)
         return q_rng, k_rng
 
     def distance(self):
@@ -237,8 +251,13 @@ class MetaRefs:
         qseg = kseg = None
         if self.tl.has_segments:
             qseg, kseg = self.tile_refs[2][...], self.tile_refs[3][...]
-        # sink tokens: without segments (with them the backend refuses sinks) an offset is the position
-        offsets = (qpos, kpos) if opts.num_sink_tokens and not self.tl.has_segments else (None, None)
+        offsets = (None, None)
+        if opts.num_sink_tokens and self.tl.has_segments:
+            # ids carry the sink flag (`Meta`); the rule reads a key's offset only as offset < num_sink_tokens
+            qseg, kseg, sink = qseg >> 1, kseg >> 1, kseg & 1
+            offsets = (None, jnp.where(sink == 1, 0, opts.num_sink_tokens))
+        elif opts.num_sink_tokens:  # without segments a token's offset in its document is its position
+            offsets = (qpos, kpos)
         return masks.visible_pairs(opts, qpos, kpos, qseg, kseg, *offsets)
 
 
@@ -429,7 +448,7 @@ def block_fwd(q, k, v, q_info: TokenInfo, k_info: TokenInfo, extras: Extras, opt
     _, pltpu = _pallas()
     opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
     tl = tiling(q, k, v, opts, config)
-    meta = token_meta(q_info, [k_info], tl)
+    meta = token_meta(q_info, [k_info], tl, sink_tokens=opts.num_sink_tokens)
     b, kvh, g, t, d, dv = tl.batch, tl.kv_heads, tl.groups, tl.q_len, tl.head_dim, tl.v_head_dim
     ins = (Operands().add("q", heads_major(q, kvh), q_spec(tl, d, True))
            .add("k", kv_major(k), _k_spec(tl, True, d)).add("v", kv_major(v), _k_spec(tl, True, dv))
@@ -530,7 +549,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     ALiBi's slope gradient is summed per query row in the dQ kernel, then over rows here."""
     opts, q_info, k_info = chunks_as_segments(opts, q.shape[0], q_info, k_info)
     tl = tiling(q, k, v, opts, config)
-    meta = token_meta(q_info, [k_info], tl)
+    meta = token_meta(q_info, [k_info], tl, sink_tokens=opts.num_sink_tokens)
     d, d_v = tl.head_dim, tl.v_head_dim
     alibi = extras.alibi_slopes is not None
 
