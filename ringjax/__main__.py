@@ -366,7 +366,8 @@ def _cmd_calibrate(args) -> int:
         kind, kernels = calibrate.rows_from_results(args.from_results, candidates=args.candidates)
         collectives: list = []
     else:
-        sizes = dict(seqs=(256,), heads=4, kv_heads=2, head_dims=(32, 64), collective_mib=(1, 4), repeats=2) \
+        sizes = dict(seqs=(256,), floor_seq=128, heads=4, kv_heads=2, head_dims=(32, 64), collective_mib=(1, 4),
+                     repeats=2) \
             if args.tiny else dict(seqs=tuple(args.seqs), repeats=args.repeats)
         kind, kernels, collectives = calibrate.measure(**sizes)
     path = Path(args.out) if args.out else costs.path_for(kind, shipped=args.shipped)

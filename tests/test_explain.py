@@ -763,11 +763,14 @@ def test_the_log_says_what_runs_once_per_compiled_problem(caplog):
 
 def test_calibrate_here_then_auto_predicts(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RINGJAX_CACHE_DIR", str(tmp_path))
-    kind, kernels, collectives = calibrate.measure(seqs=(64,), heads=2, kv_heads=1, head_dims=(16,),
+    kind, kernels, collectives = calibrate.measure(seqs=(64,), floor_seq=32, heads=2, kv_heads=1, head_dims=(16,),
                                                    collective_mib=(0.01,), repeats=1, features=(),
                                                    dtypes=(("float32", "default"),), say=lambda _: None)
     measured = {r["implementation"] for r in kernels}
     assert kind == registry.current_device_kind() and "xla" in measured
+    # the floor's calls, causal and not (`costs.FLOOR_SEQ`), beside the lengths asked for
+    assert sorted((r["seq"], r["features"].get("causal", False)) for r in kernels if r["implementation"] == "xla") \
+        == [(32, False), (32, True), (64, False), (64, True)]
     assert measured == {"xla"} or jax.default_backend() != "cpu"  # a GPU measures its kernels too
     path = costs.path_for(kind)
     calibrate.write(calibrate.merge(calibrate.existing(kind), kernels, collectives), path)

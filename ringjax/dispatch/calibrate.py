@@ -234,7 +234,8 @@ def measure_collective(kind: str, nbytes: int, devices, repeats: int) -> dict[st
             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def measure(*, seqs: Sequence[int] = (8192, 32768), batch: int = 1, heads: int = 32, kv_heads: int = 8,
+def measure(*, seqs: Sequence[int] = (8192, 32768), floor_seq: int | None = 1024, batch: int = 1, heads: int = 32,
+            kv_heads: int = 8,
             head_dims: Sequence[int] = (64, 128, 256), collective_mib: Sequence[float] = (16, 64, 256),
             repeats: int = 5, features: Sequence[Mapping[str, Any]] = FEATURE_CASES,
             dtypes: Sequence[tuple[str, str]] = (("bfloat16", "default"), ("float32", "default"),
@@ -244,7 +245,9 @@ def measure(*, seqs: Sequence[int] = (8192, 32768), batch: int = 1, heads: int =
 
     Every implementation "auto" may run here is timed in the first of `dtypes` (with its matmul
     precision) plain at each length (causal, and not causal at the shortest), at each head_dim and with
-    each of `features` at the shortest length; in the other dtypes plain at each length. Calls an
+    each of `features` at the shortest length; in the other dtypes plain at each length; and plain at
+    `floor_seq` (causal and not; None: not), a launch-bound call that gives each line its floor
+    (`costs.FLOOR_SEQ`: without one a line prices short calls by extrapolation, near nothing). Calls an
     implementation refuses are skipped. With several devices, each collective at each size.
     """
     import jax
@@ -262,6 +265,8 @@ def measure(*, seqs: Sequence[int] = (8192, 32768), batch: int = 1, heads: int =
     cases += [(short, d, *first, {"causal": True}) for d in head_dims if d != ref]
     cases += [(short, ref, *first, {"causal": True, **f}) for f in features]
     cases += [(short, ref, *first, {})]
+    if floor_seq is not None and floor_seq not in seqs:
+        cases += [(floor_seq, ref, *first, {"causal": True}), (floor_seq, ref, *first, {})]
     cases += [(t, ref, *other, {"causal": True}) for other in dtypes[1:] for t in seqs]
     kernels = []
     for name in names:
