@@ -51,7 +51,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots, split_head_dim
 from ringjax.core.dense import few_keys_grads
-from ringjax.core.masks import Extras, StepOptions, TokenInfo, array_module, is_sink_step, may_skip, visible_pairs
+from ringjax.core.masks import (
+    Extras,
+    StepOptions,
+    TokenInfo,
+    array_module,
+    flag_sink_ids,
+    is_sink_step,
+    may_skip,
+    read_sink_ids,
+    visible_pairs,
+)
 from ringjax.core.modifiers import (
     LOG2E,
     alibi_distance_pairs,
@@ -185,10 +195,9 @@ def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None,
         cseg = lax.broadcast_in_dim(col_seg, shape, [1])
     qpos, kpos, qseg, kseg = (rpos, cpos, rseg, cseg) if rows_are_queries else (cpos, rpos, cseg, rseg)
     segpos = (None, None)
-    if opts.num_sink_tokens and opts.has_segments:
-        # the ids carry the sink flag (`_segment_tables`); the rule reads the key's offset only as offset < s
-        qseg, kseg, sink = qseg >> 1, kseg >> 1, kseg & 1
-        segpos = (None, jnp.where(sink == 1, 0, opts.num_sink_tokens))
+    if opts.num_sink_tokens and opts.has_segments:  # the ids carry the sink flag (`_segment_tables`)
+        qseg, kseg, koff = read_sink_ids(opts, qseg, kseg)
+        segpos = (None, koff)
     elif opts.num_sink_tokens:  # without segments a token's offset in its segment is its position
         segpos = (qpos, kpos)
     return visible_pairs(opts, qpos, kpos, qseg, kseg, *segpos)
@@ -1256,16 +1265,14 @@ def _per_source(xs, fused: bool):
 
 
 def _segment_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenInfo], fused: bool):
-    """[query segment ids, the sources' key segment ids], or none without segments. With sink tokens each id is
-    doubled and a key's low bit says whether it is one of its document's first `num_sink_tokens` (`_mask` reads
-    it back): one vector per block, as without them. Negative ids (padding) stay negative."""
+    """[query segment ids, the sources' key segment ids], or none without segments; with sink tokens flagged
+    (`masks.flag_sink_ids`, read back in `_mask`): one vector per block, as without them."""
     if q_info.seg is None:
         return []
     if not opts.num_sink_tokens:
         return [q_info.seg.astype(jnp.int32), _per_source([x.seg.astype(jnp.int32) for x in k_infos], fused)]
-    keys = [x.seg.astype(jnp.int32) * 2 + ((x.seg >= 0) & (x.segpos < opts.num_sink_tokens)).astype(jnp.int32)
-            for x in k_infos]
-    return [q_info.seg.astype(jnp.int32) * 2, _per_source(keys, fused)]
+    keys = [flag_sink_ids(x.seg, x.segpos, opts.num_sink_tokens, keys=True) for x in k_infos]
+    return [flag_sink_ids(q_info.seg, None, opts.num_sink_tokens, keys=False), _per_source(keys, fused)]
 
 
 def _fit(length: int, want: int, opts: AttentionOptions, natural: bool = False) -> int:

@@ -151,9 +151,8 @@ def _side(info: TokenInfo, size: int, column: bool, sink_tokens: int = 0):
         scalars.append(flat(r.seg_lo, r.seg_hi))
         seg = info.seg.astype(jnp.int32)
         if sink_tokens:
-            seg = seg * 2
+            seg = masks.flag_sink_ids(info.seg, info.segpos, sink_tokens, keys=not column)
             if not column:
-                seg = seg + ((info.seg >= 0) & (info.segpos < sink_tokens)).astype(jnp.int32)
                 scalars.append(r.segpos_lo.reshape(-1).astype(jnp.int32))
         tiles.append(seg.reshape(info.seg.shape[0], *shape))
     return scalars, tiles
@@ -252,10 +251,9 @@ class MetaRefs:
         if self.tl.has_segments:
             qseg, kseg = self.tile_refs[2][...], self.tile_refs[3][...]
         offsets = (None, None)
-        if opts.num_sink_tokens and self.tl.has_segments:
-            # ids carry the sink flag (`Meta`); the rule reads a key's offset only as offset < num_sink_tokens
-            qseg, kseg, sink = qseg >> 1, kseg >> 1, kseg & 1
-            offsets = (None, jnp.where(sink == 1, 0, opts.num_sink_tokens))
+        if opts.num_sink_tokens and self.tl.has_segments:  # ids carry the sink flag (`Meta`)
+            qseg, kseg, koff = masks.read_sink_ids(opts, qseg, kseg)
+            offsets = (None, koff)
         elif opts.num_sink_tokens:  # without segments a token's offset in its document is its position
             offsets = (qpos, kpos)
         return masks.visible_pairs(opts, qpos, kpos, qseg, kseg, *offsets)
