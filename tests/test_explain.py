@@ -889,3 +889,13 @@ def test_fitted_rates_stay_below_the_chip(kind):
         rates = calibration.rates_for(implementation, "bfloat16")
         for causal, line in rates.lines.items():
             assert max(line.tflops.values()) < 989, (implementation, causal, line)
+
+
+@pytest.mark.parametrize("kind, platform, runs", [(H100, "gpu", "pallas_mosaic_gpu"), (H200, "gpu", "pallas_mosaic_gpu"),
+                                                  ("TPU v5 lite", "tpu", "pallas_tpu")])
+def test_sink_tokens_of_packed_documents_run_the_kernels(kind, platform, runs):
+    """StreamingLLM's sink tokens of each packed document beside a window: the Mosaic GPU and TPU kernels run
+    them since 2026-12-05 (`masks.flag_sink_ids`); before, `auto` fell back to the XLA ring."""
+    text = explain(shape=(1, 8192, 32, 128), kv_heads=8, causal=True, sliding_window=1024, num_sink_tokens=4,
+                   documents=4, device_kind=kind, platform=platform)
+    assert text.startswith(f"ring_attention/{runs}:"), text
