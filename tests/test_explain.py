@@ -891,8 +891,11 @@ def test_fitted_rates_stay_below_the_chip(kind):
             assert max(line.tflops.values()) < 989, (implementation, causal, line)
 
 
-@pytest.mark.parametrize("kind, platform, runs", [(H100, "gpu", "pallas_mosaic_gpu"),
-                                                  (H200, "gpu", "pallas_mosaic_gpu"), ("TPU v5 lite", "tpu", "pallas_tpu")])
+_PACKED_SINKS = [(H100, "gpu", "pallas_mosaic_gpu"), (H200, "gpu", "pallas_mosaic_gpu"),
+                 ("TPU v5 lite", "tpu", "pallas_tpu")]
+
+
+@pytest.mark.parametrize("kind, platform, runs", _PACKED_SINKS)
 def test_sink_tokens_of_packed_documents_run_the_kernels(kind, platform, runs):
     """StreamingLLM's sink tokens of each packed document beside a window: the Mosaic GPU and TPU kernels run
     them since 2026-12-05 (`masks.flag_sink_ids`); before, `auto` fell back to the XLA ring."""
