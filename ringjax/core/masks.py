@@ -159,7 +159,7 @@ def visible_pairs(opts: AttentionOptions, q_pos, k_pos, q_seg=None, k_seg=None, 
 
 def flag_sink_ids(seg, segpos, num_sink_tokens: int, keys: bool):
     """int32 segment ids as the kernels stream them with sink tokens of packed documents: doubled, a key's low bit
-    set where it is one of its document's first `num_sink_tokens` (`read_sink_ids` reads them back), so one id per
+    set where it is one of its document's first `num_sink_tokens` (`tile_ids` reads them back), so one id per
     token carries what the sink rule needs of its offset. Negative ids (padding) stay negative."""
     ids = seg.astype(jnp.int32) * 2
     if keys:
@@ -167,10 +167,16 @@ def flag_sink_ids(seg, segpos, num_sink_tokens: int, keys: bool):
     return ids
 
 
-def read_sink_ids(opts: AttentionOptions, q_ids, k_ids):
-    """(query ids, key ids, key offsets) for `visible_pairs` from ids of `flag_sink_ids`: a key's offset as 0 where
-    it is a sink token, else `num_sink_tokens` (the rule reads it only as offset < num_sink_tokens)."""
-    return q_ids >> 1, k_ids >> 1, jnp.where((k_ids & 1) == 1, 0, opts.num_sink_tokens)
+def tile_ids(opts: AttentionOptions, q_pos, k_pos, q_ids, k_ids):
+    """(query ids, key ids, query offsets, key offsets) for `visible_pairs` on a kernel's tile, from the ids it
+    streams: with sink tokens of packed documents those of `flag_sink_ids`, read back (a key's offset as 0 where it
+    is a sink token, else `num_sink_tokens`: the rule reads it only as offset < num_sink_tokens); with sink tokens
+    alone a token's offset is its position; without them no offsets."""
+    if not opts.num_sink_tokens:
+        return q_ids, k_ids, None, None
+    if not opts.has_segments:
+        return q_ids, k_ids, q_pos, k_pos
+    return q_ids >> 1, k_ids >> 1, None, jnp.where((k_ids & 1) == 1, 0, opts.num_sink_tokens)
 
 
 def maybe_visible(opts: AttentionOptions, q: BlockRange, k: BlockRange) -> jnp.ndarray:

@@ -59,7 +59,7 @@ from ringjax.core.masks import (
     flag_sink_ids,
     is_sink_step,
     may_skip,
-    read_sink_ids,
+    tile_ids,
     visible_pairs,
 )
 from ringjax.core.modifiers import (
@@ -194,13 +194,7 @@ def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None,
         rseg = lax.broadcast_in_dim(row_seg, shape, [0])
         cseg = lax.broadcast_in_dim(col_seg, shape, [1])
     qpos, kpos, qseg, kseg = (rpos, cpos, rseg, cseg) if rows_are_queries else (cpos, rpos, cseg, rseg)
-    segpos = (None, None)
-    if opts.num_sink_tokens and opts.has_segments:  # the ids carry the sink flag (`_segment_tables`)
-        qseg, kseg, koff = read_sink_ids(opts, qseg, kseg)
-        segpos = (None, koff)
-    elif opts.num_sink_tokens:  # without segments a token's offset in its segment is its position
-        segpos = (qpos, kpos)
-    return visible_pairs(opts, qpos, kpos, qseg, kseg, *segpos)
+    return visible_pairs(opts, qpos, kpos, *tile_ids(opts, qpos, kpos, qseg, kseg))  # ids: `_segment_tables`
 
 
 @dataclasses.dataclass(frozen=True)

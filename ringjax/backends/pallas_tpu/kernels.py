@@ -250,13 +250,7 @@ class MetaRefs:
         qseg = kseg = None
         if self.tl.has_segments:
             qseg, kseg = self.tile_refs[2][...], self.tile_refs[3][...]
-        offsets = (None, None)
-        if opts.num_sink_tokens and self.tl.has_segments:  # ids carry the sink flag (`Meta`)
-            qseg, kseg, koff = masks.read_sink_ids(opts, qseg, kseg)
-            offsets = (None, koff)
-        elif opts.num_sink_tokens:  # without segments a token's offset in its document is its position
-            offsets = (qpos, kpos)
-        return masks.visible_pairs(opts, qpos, kpos, qseg, kseg, *offsets)
+        return masks.visible_pairs(opts, qpos, kpos, *masks.tile_ids(opts, qpos, kpos, qseg, kseg))  # ids: `Meta`
 
 
 def when_visible(opts: AttentionOptions, meta: MetaRefs, b, i, j, body):
