@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ringjax import _compat
-from ringjax.core import precision
+from ringjax.core import invariant, precision
 from ringjax.core.masks import Extras
 from ringjax.dispatch import autotuning, calling, costs, registry, report
 from ringjax.dispatch.calling import HEADS, LSE, REPLICATED, SEQ, TOKENS
@@ -63,7 +63,10 @@ def ring_attention(
     differ in the last bits; so do other block sizes). It makes the fused backwards (`bwd_fused=True` of
     the Triton and Mosaic GPU configs, dQ summed by atomic adds; Mosaic GPU's default at head_dim 64, and at
     128 with dropout or a soft cap) run split, at the split backward's time; every other backward already
-    is deterministic.
+    is deterministic. `deterministic="invariant"` also gives the same bits (out, lse and every gradient) on
+    any ring size and on the contiguous and zigzag layouts, under the ring and all-gather strategies: each
+    kernel call takes fixed granules of the global sequence and the partial results add in fixed point. It
+    costs the forward twice and integer sums; see docs/entry_points.md.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |
@@ -91,6 +94,8 @@ def ring_attention(
                  alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     # axis_name=None: the strategy sets the axes each device's problem runs over
     opts = make_options(q, axis_name=None, axis_size=call.axis_size, **option_inputs(arguments))
+    if opts.invariant and (why := invariant.strategy_refusal(strategy)):
+        raise ValueError(why)
     batch, seq, heads, head_dim = q.shape
     call = calling.with_spare_axes(call, q, batch=batch, kv_heads=k.shape[2])
     batch, seq, heads = call.local_shape(batch, seq, heads)
@@ -115,8 +120,12 @@ def ring_attention(
         strat = strategies.bind(strategy, call.axis_name, call.axis_sizes())
         strategy_reason = f"strategy={strategy!r}"
     problem = strat.problem(base)
+    if opts.invariant:
+        invariant.check(problem.opts, problem.seq)
     reg, impl = registry.choose(OP, implementation, problem)
-    selection = autotuning.select(OP, reg, impl, problem, config, policy=autotune)
+    # invariant: every kernel call is one granule pair, and its config must not change with the ring size
+    tuned = invariant.pair_problem(problem) if opts.invariant else problem
+    selection = autotuning.select(OP, reg, impl, tuned, config, policy=autotune)
     config = selection.config
     seed = None if dropout_rng is None else jax.random.bits(dropout_rng, (2,), jnp.uint32)
 

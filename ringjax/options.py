@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
+INVARIANT = "invariant"  # deterministic's strongest level: the same bits on any ring size and layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +51,10 @@ class AttentionOptions:
     # a device holds `subshards` layout shards of axis_size * subshards: shards i * axis_size + r
     # (i < subshards), concatenated; what a Ulysses all-to-all over a major axis leaves (strategies.py)
     subshards: int = 1
-    # the backward sums in a fixed order: bitwise-identical gradients run to run (at one ring size); the
-    # backends' opt-in fused backwards (bwd_fused, dQ by atomic/TMA adds) then run split
-    deterministic: bool = False
+    # True: the backward sums in a fixed order, bitwise-identical gradients run to run (at one ring size); the
+    # backends' opt-in fused backwards (bwd_fused, dQ by atomic/TMA adds) then run split. "invariant": also the
+    # same bits on any ring size and layout (`core.invariant`)
+    deterministic: bool | str = False
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -81,6 +83,13 @@ class AttentionOptions:
             raise ValueError(f"num_sink_tokens must be >= 0, got {self.num_sink_tokens}")
         if self.subshards < 1:
             raise ValueError(f"subshards must be >= 1, got {self.subshards}")
+        if not isinstance(self.deterministic, bool) and self.deterministic != INVARIANT:
+            raise ValueError(f"deterministic must be a bool or {INVARIANT!r}, got {self.deterministic!r}")
+
+    @property
+    def invariant(self) -> bool:
+        """`deterministic="invariant"`: granule pairs summed in fixed point (`core.invariant`)."""
+        return self.deterministic == INVARIANT
 
     @property
     def shards_per_device(self) -> int:
@@ -245,6 +254,7 @@ class Keyword:
     flag: str | None = None  # ARRAY: the bool that stands for it where there are no arrays (tune_shapes, CLI)
     choices: tuple[str, ...] | None = None
     pair: bool = False  # also takes a (left, right) pair of `type`
+    also: tuple[str, ...] = ()  # strings it takes besides values of `type`
 
     @property
     def option_name(self) -> str | None:
@@ -259,8 +269,11 @@ class Keyword:
             return value  # normalize_window converts it, knowing causal
         if self.type in (int, float):
             return _static_number(value, self.name, self.type)
+        if isinstance(value, str) and value in self.also:
+            return value
         if not isinstance(value, self.type):
             among = f", one of {self.choices}" if self.choices else ""
+            among += "".join(f" or {a!r}" for a in self.also)
             raise TypeError(f"{self.name} must be a {self.type.__name__}{among}, got {type(value).__name__}")
         return value
 
@@ -285,7 +298,8 @@ KEYWORDS: tuple[Keyword, ...] = (
     Keyword("dropout_rng", None, jax.Array, "the jax.random key of the dropout mask (follows dropout_rate)", ARRAY),
     Keyword("num_sink_tokens", 0, int, "every query also sees the first this many tokens of its segment"),
     Keyword("deterministic", False, bool,
-            "bitwise-identical gradients run to run at one ring size (opt-in fused backwards run split)"),
+            "bitwise-identical gradients run to run at one ring size (opt-in fused backwards run split); "
+            "'invariant': the same bits on any ring size and layout", also=(INVARIANT,)),
     Keyword("return_lse", False, bool, "also return lse [batch, heads, seq] float32", CALL),
     Keyword("mesh", None, object, "the mesh of global arrays (default: the one set by jax.set_mesh)", CALL),
     Keyword("implementation", "auto", str, "'auto' or a registered implementation", CALL),

@@ -1,7 +1,9 @@
-"""`deterministic=True`: bitwise-identical gradients run to run; the fused backwards (dQ by atomic adds) run split."""
+"""`deterministic=True`: bitwise-identical gradients run to run; the fused backwards (dQ by atomic adds) run split.
+`deterministic="invariant"`: the same bits on any ring size and layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 
@@ -195,7 +197,7 @@ def _make_layer(framework, **kw):
 
 @pytest.mark.parametrize("framework", [pytest.param("nnx", marks=needs_flax), pytest.param("linen", marks=needs_flax),
                                        pytest.param("equinox", marks=needs_equinox)])
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("deterministic", [True, False, "invariant"])
 def test_layers_pass_deterministic_to_the_op(monkeypatch, framework, deterministic):
     from ringjax.layers import core
 
@@ -208,10 +210,124 @@ def test_layers_pass_deterministic_to_the_op(monkeypatch, framework, determinist
 
     monkeypatch.setattr(core, "ring_attention", spy)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 8, 16)), jnp.float32)
-    layer = _make_layer(framework, **({"deterministic": True} if deterministic else {}))
+    layer = _make_layer(framework, **({"deterministic": deterministic} if deterministic else {}))
     if framework == "linen":
         layer.init(jax.random.key(0), x)
     else:
-        assert layer.config.deterministic is deterministic
+        assert layer.config.deterministic == deterministic
         layer(x)
-    assert seen and all(s is deterministic for s in seen)
+    assert seen and all(s == deterministic and type(s) is type(deterministic) for s in seen)
+
+
+# ---------------------------------------------------------------------------- deterministic="invariant"
+
+INVARIANT_CASES = [
+    (dict(), dict(causal=True)),
+    (dict(segments="random", sinks=True), dict(causal=True, sliding_window=23)),
+    (dict(alibi=True), dict(logits_soft_cap=4.0, num_sink_tokens=3, sliding_window=(17, 9))),
+    (dict(segments="random", dropout_key=5), dict(causal=True, dropout_rate=0.25, chunk_size=24)),
+    (dict(segments="random", heads=4, kv_heads=1, v_head_dim=24), dict(causal=True, num_sink_tokens=2)),
+]
+
+
+@pytest.mark.parametrize("xkw, kw", INVARIANT_CASES)
+def test_invariant_gives_the_same_bits_on_every_ring_size_and_layout(xkw, kw):
+    """Outputs, lse and every gradient of deterministic="invariant" are bitwise equal on 1, 2, 4 and 8 devices,
+    contiguous and zigzag, ring and all-gather, in shard_map and on global arrays; and match the float64
+    reference."""
+    x = make_inputs(60, seq=128, **xkw)
+    first = run_ring(x, 1, implementation="xla", deterministic="invariant", **kw)
+    check_against_reference(first, reference_for(x, **kw), "float32")
+    runs = [((n, layout, mode, strategy), run_ring(x, n, layout=layout, mode=mode, implementation="xla",
+                                                   deterministic="invariant", strategy=strategy, **kw))
+            for n, layout, mode, strategy in [(2, "zigzag", "shard_map", "ring"), (4, "contiguous", "global", "ring"),
+                                              (8, "zigzag", "global", "ring"), (8, "contiguous", "shard_map", "ring"),
+                                              (4, "zigzag", "global", "all_gather")]]
+    for how, run in runs:
+        for name in ("out", "lse", *GRADS, "dalibi"):
+            if name in first:
+                assert np.array_equal(run[name], first[name]), (how, name)
+    # without it, the sums over ring steps group differently on 8 devices: the test can tell
+    plain = run_ring(x, 8, layout="zigzag", implementation="xla", **kw)
+    assert not all(np.array_equal(plain[name], first[name]) for name in ("out", "dq", "dk", "dv"))
+
+
+def test_invariant_in_bfloat16_on_global_arrays():
+    x = make_inputs(61, seq=256, dtype="bfloat16", sinks=True)
+    kw = dict(causal=True, sliding_window=40)
+    runs = [run_ring(x, n, layout=layout, mode="global", implementation="xla", deterministic="invariant", **kw)
+            for n, layout in [(1, "contiguous"), (4, "zigzag"), (8, "contiguous")]]
+    check_against_reference(runs[0], reference_for(x, **kw), "bfloat16")
+    for run in runs[1:]:
+        for name in ("out", "lse", *GRADS):
+            assert np.array_equal(run[name], runs[0][name]), name
+
+
+@pytest.mark.parametrize("seq, granule", [(64, 1), (128, 2), (8192, 128), (65536, 1024), (1 << 20, 1024),
+                                          (2016, 16), (96, 1), (3 * 4096, 128)])
+def test_granules_are_a_function_of_the_sequence_alone(seq, granule):
+    from ringjax.core import invariant
+
+    g = invariant.granule(seq)
+    assert g == granule and seq % g == 0 and g & (g - 1) == 0
+
+
+def test_fixed_point_sums_do_not_depend_on_order():
+    from ringjax.core import fixed
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(4000) * np.exp(rng.uniform(-20, 20, 4000)), jnp.float32)
+    e = fixed.exponent(jnp.abs(x).sum() * 2)
+    terms = fixed.encode(x, e)
+    back = np.asarray(fixed.decode(fixed.normalize(terms), e), np.float64)
+    grid = 2.0 ** float(e)
+    assert np.all(np.abs(back - np.asarray(x, np.float64)) <= grid / 2)  # each term rounds to the grid
+    assert np.array_equal(back[np.abs(x) >= grid * 2**24], np.asarray(x)[np.abs(x) >= grid * 2**24])
+    whole = fixed.total(terms, 0)
+    shuffled = fixed.total(terms[:, rng.permutation(4000)], 0)
+    halves = fixed.add(fixed.total(terms[:, 1000:], 0), fixed.total(terms[:, :1000], 0))
+    assert np.array_equal(whole, shuffled) and np.array_equal(whole, halves)
+    exact = np.sum(np.asarray(x, np.float64))
+    assert abs(float(fixed.decode(whole, e)) - exact) <= 1e-6 * np.abs(np.asarray(x, np.float64)).sum()
+    # float32 addition in two orders does not agree: the property is not free
+    assert np.asarray(x).sum() != np.asarray(x)[::-1].sum() or np.asarray(x).cumsum()[-1] != np.asarray(x).sum()
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(layout="striped"), "needs layout 'contiguous' or 'zigzag'"),
+    (dict(strategy="ulysses"), "runs strategy 'ring' or 'all_gather', not 'ulysses'"),
+    (dict(deterministic="yes"), "deterministic must be a bool or 'invariant'"),
+])
+def test_invariant_refusals_name_the_argument(kw, says):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((8,), ("sp",), devices=jax.devices()[:8])
+    q, k, v = _qkv(seq=64)
+    kw = {"deterministic": "invariant", **kw}
+    error = TypeError if kw["deterministic"] == "yes" else ValueError
+    with jax.set_mesh(mesh), pytest.raises(error, match=says):
+        ringjax.ring_attention(q, k, v, axis_name="sp", **kw)
+
+
+def test_invariant_refuses_granules_that_straddle_a_device_run():
+    """2016 tokens cut into granules of 16: zigzag on 8 devices leaves runs of 126 tokens."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((8,), ("sp",), devices=jax.devices()[:8])
+    q, k, v = _qkv(seq=2016)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="granules of 16, which must divide each contiguous run"):
+        jax.eval_shape(lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name="sp", layout="zigzag",
+                                                              deterministic="invariant"), q, k, v)
+
+
+def test_invariant_asks_kernels_about_their_granule_pairs():
+    """An implementation is asked whether it runs one granule pair: the Triton kernels' 16-token tiles refuse the
+    2-token granules of a 128-token sequence, and say why."""
+    from ringjax.dispatch import registry
+
+    problem = registry.Problem(AttentionOptions(causal=True, deterministic="invariant", axis_size=2), batch=1,
+                               seq=64, heads=4, kv_heads=2, head_dim=64, dtype="float32", platform="cpu")
+    reg = next(r for r in registry.registrations("ring_attention") if r.name == "pallas_triton_interpret")
+    assert "deterministic='invariant' calls it on pairs of 2-token granules" in registry.refusal(reg, problem)
+    plain = dataclasses.replace(problem, opts=AttentionOptions(causal=True, axis_size=2))
+    assert registry.refusal(reg, plain) is None

@@ -299,6 +299,10 @@ _NO_EXTRAS = Extras()
 def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=_NO_EXTRAS):
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
     opts, q_seg, kv_seg = _chunks_as_segments(opts, q_seg, kv_seg)
+    if opts.invariant:
+        from ringjax.core import invariant  # it runs this module's ring helpers on granule pairs
+
+        return invariant.attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 

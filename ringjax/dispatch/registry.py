@@ -15,6 +15,7 @@ import pkgutil
 import warnings
 from typing import Any
 
+from ringjax.core import invariant
 from ringjax.core.features import Support
 from ringjax.core.problem import (  # noqa: F401  (re-exported: the dispatch vocabulary)
     Implementation,
@@ -143,6 +144,17 @@ def refusal(reg: Registration, problem: Problem) -> str | None:
     """
     if problem.platform not in reg.platforms:
         return f"runs on {', '.join(reg.platforms)}, not {problem.platform}"
+    why = _refusal_of(reg, problem)
+    if why is None and problem.opts.invariant:
+        # every kernel call is one granule pair: that problem, too, must be one the implementation runs
+        pair = invariant.pair_problem(problem)
+        why = _refusal_of(reg, pair)
+        if why is not None:
+            why = f"deterministic='invariant' calls it on pairs of {pair.seq}-token granules: {why}"
+    return why
+
+
+def _refusal_of(reg: Registration, problem: Problem) -> str | None:
     if described(problem):
         return None if reg.support is None else reg.support.refusal(reg.name, problem)
     try:

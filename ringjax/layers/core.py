@@ -53,7 +53,7 @@ class AttentionLayerConfig:
     layout: str = "contiguous"
     implementation: str = "auto"
     strategy: str = "ring"  # see ringjax.ring_attention
-    deterministic: bool = False  # see ringjax.ring_attention
+    deterministic: bool | str = False  # see ringjax.ring_attention (True or "invariant")
 
     def __post_init__(self):
         for name in ("in_features", "num_heads"):

@@ -76,7 +76,8 @@ class LinenMultiHeadAttention(nn.Module):
     layout: str = "contiguous"
     implementation: str = "auto"
     strategy: str = "ring"
-    deterministic: bool = False  # gradients bitwise-identical run to run (not dropout's: there is none)
+    # gradients bitwise-identical run to run, or "invariant": on any ring size (not dropout's: there is none)
+    deterministic: bool | str = False
     dtype: jnp.dtype | None = None
     param_dtype: jnp.dtype = jnp.float32
 

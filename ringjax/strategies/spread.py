@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from ringjax import _compat
+from ringjax.core import invariant
 from ringjax.core.schedule import reach
 from ringjax.dispatch import costs, registry
 from ringjax.layouts import sorted_shards
@@ -325,6 +326,8 @@ def _best(costs_, runnable, refused, axis_name, sizes, source):
 
 
 def _refusal(strategy: Strategy, base: registry.Problem, implementation: str, op: str) -> str | None:
+    if base.opts.invariant and (why := invariant.strategy_refusal(strategy.name)):
+        return why
     try:
         registry.choose(op, implementation, strategy.problem(base))
     except ValueError as e:

@@ -1,0 +1,318 @@
+"""`deterministic="invariant"`: the same bits on any ring size and layout.
+
+Every kernel call takes one granule of G queries against one granule of G keys, G a function of the global
+sequence length alone (`granule`), so each partial result is the same computation on the same data whatever
+the ring; the partials then add in fixed point (`core.fixed`), whose sums do not depend on their order.
+
+Forward: the ring runs twice. The first pass takes each query's largest partial lse (a max is exact); the
+second adds every partial output scaled by w = exp(partial lse - that max) <= 1, and the w themselves, so
+out = sum(w o) / sum(w) and lse = max + log(sum(w)). Backward: one pass; dQ, dK, dV and ALiBi's slopes add
+per granule pair, dK/dV travelling with their K/V as int32 limbs. Every grid is set by bounds on the sums
+built from maxima of |q|, |k|, |v|, |dO| and |delta| over the ring (exact, so the same on any ring).
+Costs: the forward twice, a full ring (no shortened ring, no sink step), limbs 5x float32 in memory and on
+the wire, and one kernel call per visible granule pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ringjax import _compat
+from ringjax.core import fixed
+from ringjax.core.masks import Extras, TokenInfo, maybe_visible
+from ringjax.core.schedule import steps_may_be_empty
+from ringjax.core.tiles import shard_range
+from ringjax.options import AttentionOptions
+
+MOST_GRANULE = 1024  # tokens
+# granules per sequence at least: a granule must fit one contiguous run of a device's tokens, and the zigzag
+# layout on 32 devices cuts a sequence into 64 runs
+FEWEST_GRANULES = 64
+# bounds are computed in float32 and products may round above them: each is taken 16x larger
+_MARGIN = 16.0
+
+
+def granule(seq: int) -> int:
+    """Tokens per granule of a global sequence of `seq`: the largest power of two that divides it and is at
+    most min(MOST_GRANULE, seq // FEWEST_GRANULES) (1 for short sequences)."""
+    most = max(1, min(MOST_GRANULE, seq // FEWEST_GRANULES))
+    g = 1
+    while g * 2 <= most and seq % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def check(opts: AttentionOptions, seq: int) -> None:
+    """ValueError unless every contiguous run of a device's `seq` tokens is a whole number of granules."""
+    if opts.layout == "striped" and opts.axis_size > 1:
+        raise ValueError("deterministic='invariant' needs layout 'contiguous' or 'zigzag': a striped shard's tokens "
+                         "are no run of the sequence, so its granules would change with the ring size")
+    g = granule(seq * opts.axis_size)
+    run = seq // opts.shards_per_device
+    if run % g:
+        raise ValueError(
+            f"deterministic='invariant' cuts the sequence of {seq * opts.axis_size} tokens into granules of {g}, "
+            f"which must divide each contiguous run of a device's tokens ({run} here: layout {opts.layout!r} on "
+            f"{opts.axis_size} devices); use fewer devices or a sequence with more factors of two")
+
+
+def strategy_refusal(strategy: str) -> str | None:
+    """Why `deterministic="invariant"` cannot run under `strategy`, or None: the ring and the all-gather run
+    the same granule pairs (to the bit), but Ulysses and hybrid spread the heads, so a device's kernel calls,
+    and the order of their sums over heads, change with the number of devices."""
+    if strategy in ("ulysses", "hybrid"):
+        return (f"deterministic='invariant' runs strategy 'ring' or 'all_gather', not {strategy!r}: the heads each "
+                "device holds, and with them how its kernels sum over heads, change with the number of devices")
+    return None
+
+
+def pair_problem(problem):
+    """The problem each kernel call is (one granule pair on one device): what `supports()` must admit and what
+    the config is chosen for, the same on any ring size."""
+    g = granule(problem.seq * problem.opts.axis_size)
+    return dataclasses.replace(problem, seq=g, q_seq=None, opts=pair_options(problem.opts), documents=None)
+
+
+def pair_options(opts: AttentionOptions) -> AttentionOptions:
+    """The options of one granule pair: one contiguous run of queries and one of keys on one device (the
+    tokens' global positions, ids and offsets come with them)."""
+    return dataclasses.replace(opts, axis_name=None, axis_size=1, layout="contiguous", subshards=1, gather_kv=False)
+
+
+def attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    """Per-device ring attention with `deterministic="invariant"`: (out in q.dtype, lse float32 [B, H, T])."""
+    check(opts, q.shape[1])
+    return _attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+
+
+# ---------------------------------------------------------------------------- the ring over granule pairs
+
+
+def _slice(x, start, size, axis):
+    return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
+
+
+def _granule_info(info: TokenInfo, i, g: int) -> TokenInfo:
+    return TokenInfo(_slice(info.pos, i * g, g, 0), _slice(info.seg, i * g, g, 1), _slice(info.segpos, i * g, g, 1))
+
+
+def _add_at(limbs, term, i, g: int, axis: int):
+    """limbs with `term` (limbs of one granule) added at granule i along `axis` of the values."""
+    part = lax.dynamic_slice_in_dim(limbs, i * g, g, axis + 1)
+    return lax.dynamic_update_slice_in_dim(limbs, fixed.add(part, term), i * g, axis + 1)
+
+
+def _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body, travelling=None):
+    """Run state = body(a, c, query and key granule infos, key and value granules, pair options, state) on
+    every granule pair of the local queries and each ring step's K/V, where state = (carry, travelling): the
+    K/V of every shard visit once, and `travelling` (sums of the visiting shard's keys) moves with them and
+    comes home at the end. Returns (carry, travelling)."""
+    from ringjax.core.ring import _infos, _shard_info, shift  # ring.py dispatches here
+
+    n, t = opts.axis_size, q.shape[1]
+    g = granule(t * n)
+    m = t // g
+    q_info = _infos(opts, q, q_seg)
+    pair = pair_options(opts)
+    maybe_empty = not kernel.skips_empty_steps and steps_may_be_empty(opts)
+    kv = (k, v, kv_seg, q_info.segpos)
+    for step in range(n):
+        k_cur, v_cur, seg_cur, segpos_cur = kv
+        k_info = _shard_info(opts, lambda r, step=step: (r - step) % n, t, seg_cur, segpos_cur)
+
+        def over_keys(c, state, k_cur=k_cur, v_cur=v_cur, k_info=k_info):
+            ki = _granule_info(k_info, c, g)
+            kc, vc = _slice(k_cur, c * g, g, 1), _slice(v_cur, c * g, g, 1)
+
+            def over_queries(a, state):
+                qi = _granule_info(q_info, a, g)
+
+                def visit(state):
+                    return body(a, c, qi, ki, kc, vc, pair, state)
+
+                if not maybe_empty:
+                    return visit(state)
+                return lax.cond(maybe_visible(pair, shard_range(qi), shard_range(ki)), visit, lambda s: s, state)
+
+            return lax.fori_loop(0, m, over_queries, state)
+
+        carry, travelling = lax.fori_loop(0, m, over_keys, (carry, travelling))
+        if step + 1 < n:
+            kv = shift(kv, opts, 1)
+            travelling = shift(travelling, opts, 1)
+    # after the last step device r holds shard r + 1: each shard's own sums come home from one device back
+    return carry, shift(travelling, opts, 1)
+
+
+def _bound(x, opts):
+    """max |x| over the ring (exact: a max does not depend on order), float32."""
+    b = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    return b if opts.axis_name is None else lax.pmax(b, opts.axis_name)
+
+
+def _one_device(x, opts):
+    """x on the ring's first device and zeros on the others: the sum over the ring that shard_map's transpose
+    takes of a replicated input's cotangent is then x exactly (+0.0 turns a -0.0 into the zeros' sign)."""
+    if opts.axis_name is None:
+        return x + 0.0
+    return jnp.where(lax.axis_index(opts.axis_name) == 0, x, 0.0) + 0.0
+
+
+# ---------------------------------------------------------------------------- forward
+
+
+def _forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+    """(out f32, lse) before learnable sinks."""
+    b, t, h, _ = q.shape
+    g = granule(t * opts.axis_size)
+    refs = (q, k)
+
+    def partial(a, qi, ki, kc, vc, pair):
+        qa = _slice(q, a * g, g, 1)
+        return kernel.fwd(qa, kc, vc, qi, ki, extras, pair, config)
+
+    def biggest(a, c, qi, ki, kc, vc, pair, state):
+        most, _ = state
+        _, lse = partial(a, qi, ki, kc, vc, pair)
+        cur = lax.dynamic_slice_in_dim(most, a * g, g, 2)
+        return lax.dynamic_update_slice_in_dim(most, jnp.maximum(cur, lse), a * g, 2), None
+
+    most0 = _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), *refs)
+    most, _ = _ring(opts, kernel, q, k, v, q_seg, kv_seg, most0, biggest)
+    shift_by = jnp.where(jnp.isfinite(most), most, 0.0)
+
+    # bounds of the sums: each w <= 1, |o| <= max |v| (a convex combination; dropout scales it up)
+    count = t * opts.axis_size // g
+    e_w = fixed.exponent(_MARGIN * count)
+    e_o = fixed.exponent(_MARGIN * count * _bound(v, opts) / (1.0 - opts.dropout_rate))
+
+    def add(a, c, qi, ki, kc, vc, pair, state):
+        (out_l, w_l), _ = state
+        o, lse = partial(a, qi, ki, kc, vc, pair)
+        w = jnp.exp(lse - lax.dynamic_slice_in_dim(shift_by, a * g, g, 2))  # 0 where the pair shows nothing
+        wo = jnp.swapaxes(w, 1, 2)[..., None] * o.astype(jnp.float32)
+        return (_add_at(out_l, fixed.encode(wo, e_o), a, g, 1), _add_at(w_l, fixed.encode(w, e_w), a, g, 2)), None
+
+    zeros = (_compat.match_vma(fixed.zeros((b, t, h, v.shape[3])), *refs),
+             _compat.match_vma(fixed.zeros((b, h, t)), *refs))
+    (out_l, w_l), _ = _ring(opts, kernel, q, k, v, q_seg, kv_seg, zeros, add)
+    w = fixed.decode(w_l, e_w)
+    seen = w > 0
+    out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None],
+                    fixed.decode(out_l, e_o) / jnp.swapaxes(jnp.where(seen, w, 1.0), 1, 2)[..., None], 0.0)
+    lse = jnp.where(seen, shift_by + jnp.log(jnp.where(seen, w, 1.0)), -jnp.inf)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------- backward
+
+
+def _backward(opts, kernel, config, q, k, v, dout, lse, delta, q_seg, kv_seg, extras):
+    """(dq, dk, dv, d alibi_slopes or None), float32."""
+    b, t, h, d = q.shape
+    kvh, dv_dim = k.shape[2], v.shape[3]
+    g = granule(t * opts.axis_size)
+    seq = t * opts.axis_size
+    keep = 1.0 - opts.dropout_rate
+    scale = opts.softmax_scale
+    groups = h // kvh
+    # a row's |dS| sums to at most sum_j P_ij (|dP_ij| / keep + |delta_i|), with sum_j P_ij <= 1 / keep (dropout)
+    # and |dP_ij| <= v's head_dim * max|dO| * max|V|; a soft cap's derivative is at most 1
+    b_do, b_delta = _bound(dout, opts), _bound(delta, opts)
+    row = (dv_dim * b_do * _bound(v, opts) / keep + b_delta) / keep
+    e_dq = fixed.exponent(_MARGIN * scale * _bound(k, opts) * row)
+    e_dk = fixed.exponent(_MARGIN * scale * _bound(q, opts) * groups * seq * row)
+    e_dv = fixed.exponent(_MARGIN * groups * seq * b_do / keep)
+    e_sl = fixed.exponent(_MARGIN * b * seq * seq * row)  # |i - j| < seq
+    alibi = extras.alibi_slopes is not None
+    refs = (q, k, dout)
+
+    def add(a, c, qi, ki, kc, vc, pair, state):
+        (dq_l, sl_l), (dk_l, dv_l) = state
+        qa, doa = _slice(q, a * g, g, 1), _slice(dout, a * g, g, 1)
+        lse_a, delta_a = _slice(lse, a * g, g, 2), _slice(delta, a * g, g, 2)
+        dq, dk, dv, dsl = kernel.bwd(qa, kc, vc, doa, lse_a, delta_a, qi, ki, extras, pair, config)
+        dq_l = _add_at(dq_l, fixed.encode(dq, e_dq), a, g, 1)
+        dk_l = _add_at(dk_l, fixed.encode(dk, e_dk), c, g, 1)
+        dv_l = _add_at(dv_l, fixed.encode(dv, e_dv), c, g, 1)
+        if alibi:
+            sl_l = fixed.add(sl_l, fixed.encode(dsl, e_sl))
+        return (dq_l, sl_l), (dk_l, dv_l)
+
+    def zeros(*shape):
+        return _compat.match_vma(fixed.zeros(shape), *refs)
+
+    carry = (zeros(b, t, h, d), zeros(h) if alibi else None)
+    travelling = (zeros(b, t, kvh, d), zeros(b, t, kvh, dv_dim))
+    carry, travelling = _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, add, travelling)
+    (dq_l, sl_l), (dk_l, dv_l) = carry, travelling
+    dslopes = None
+    if alibi:
+        dslopes = _one_device(fixed.decode(fixed.psum(sl_l, opts.axis_name), e_sl), opts)
+    return (fixed.decode(dq_l, e_dq), fixed.decode(dk_l, e_dk), fixed.decode(dv_l, e_dv), dslopes)
+
+
+# ---------------------------------------------------------------------------- the op
+
+
+def _row_dots(dout, out, g: int):
+    """rowsum(dout * out) [B, H, T] float32, a granule at a time: XLA's reductions may group their terms by the
+    shape of the whole array, which differs from one ring size to another; a granule's is always the same."""
+    b, t, h, d = out.shape
+
+    def granule_rows(x):
+        do, o = x
+        return (do.astype(jnp.float32) * o.astype(jnp.float32)).sum(axis=-1)
+
+    def split(x):
+        return jnp.moveaxis(x.reshape(b, t // g, g, h, d), 1, 0)
+
+    rows = lax.map(granule_rows, (split(dout), split(out)))  # [T / g, B, g, H]
+    return jnp.moveaxis(rows, 0, 1).reshape(b, t, h).transpose(0, 2, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+    return out, lse
+
+
+def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    from ringjax.merge import add_sinks
+
+    out, lse = _forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    out = out.astype(q.dtype)
+    return out, lse, (q, k, v, q_seg, kv_seg, sinks, extras, out, lse)
+
+
+def _fwd_rule(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    out, lse, res = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+    return (out, lse), res
+
+
+def _bwd_rule(opts, kernel, config, res, cts):
+    q, k, v, q_seg, kv_seg, sinks, extras, out, lse = res
+    dout, dlse = cts
+    dout = dout.astype(q.dtype)
+    delta = _row_dots(dout, out, granule(q.shape[1] * opts.axis_size)) - dlse.astype(jnp.float32)
+    dq, dk, dv, dslopes = _backward(opts, kernel, config, q, k, v, dout, lse, delta, q_seg, kv_seg, extras)
+    dsinks = None
+    if sinks is not None:
+        # -sum over rows of P(sink) * delta, each row's term exact in fixed point
+        b, h, t = lse.shape
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        e_s = fixed.exponent(_MARGIN * b * t * opts.axis_size * _bound(delta, opts))
+        part = fixed.total(fixed.encode(-(p_sink * delta), e_s), (0, 2))
+        dsinks = _one_device(fixed.decode(fixed.psum(part, opts.axis_name), e_s), opts).astype(sinks.dtype)
+    dextras = Extras(alibi_slopes=None if dslopes is None else dslopes.astype(extras.alibi_slopes.dtype))
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
+
+
+_attention.defvjp(_fwd_rule, _bwd_rule)
