@@ -66,7 +66,7 @@ def ring_attention(
     is deterministic. `deterministic="invariant"` also gives the same bits (out, lse and every gradient) on
     any ring size and on the contiguous and zigzag layouts, under the ring and all-gather strategies: each
     kernel call takes fixed granules of the global sequence and the partial results add in fixed point. It
-    costs the forward twice and integer sums; see docs/entry_points.md.
+    costs the forward twice and integer sums; the README (Arguments and features) says how much.
 
     `implementation` is "auto" or a registered name (see `list_implementations`);
     `config` fixes that implementation's config. Otherwise `autotune` ("off" |

@@ -590,7 +590,7 @@ def _packed_ids(rng, batch, length):
 def test_documents_count_the_pairs_within_them(causal, window, chunk, sinks, layout, n):
     """Problem.documents (read from concrete segment ids stored in a layout) price the pairs the mask shows
     within each document: the busiest device's, averaged over the batch rows, as `masks.visible` counts them."""
-    from ringjax.core.ring import _segment_offsets
+    from ringjax.core.shards import segment_offsets as _segment_offsets
 
     if causal and window is not None:
         window = (window[0], 0)

@@ -562,6 +562,29 @@ def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
+@hopper_only
+@pytest.mark.parametrize("dtype, xkw, kw", [
+    ("bfloat16", dict(seq=4096, batch=1, heads=4, kv_heads=2, head_dim=128, segments="random"),
+     dict(causal=True, sliding_window=700)),
+    ("float16", dict(seq=4096, batch=1, heads=4, kv_heads=1, head_dim=64, sinks=True, dropout_key=3),
+     dict(causal=True, dropout_rate=0.1)),
+])
+def test_invariant_matches_reference_and_is_the_same_on_every_ring(dtype, xkw, kw):
+    """deterministic="invariant" runs the kernels on 64-token granule pairs (4096 tokens): exact against the
+    float64 reference, and bitwise the same run to run and on every ring this machine has."""
+    x = make_inputs(71, dtype=dtype, **xkw)
+    kw = dict(kw, implementation="pallas_mosaic_gpu", deterministic="invariant")
+    first = run_ring(x, 1, **kw)
+    check_against_reference(first, reference_for(x, **{k: v for k, v in kw.items() if k not in (
+        "implementation", "deterministic")}), dtype)
+    again = [run_ring(x, 1, **kw)] + [run_ring(x, n, layout="zigzag", **kw) for n in (2, 4, 8)
+                                      if n <= len(jax.devices())]
+    for run in again:
+        for name in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+            if name in first:
+                assert np.array_equal(run[name], first[name]), name
+
+
 # the fused ring (`fused=True`, forward and backward): the ring axis spans every GPU; cases at several rings,
 # whichever the machine has, plus masks that empty or shorten steps and packed documents across shards
 FUSED_RING_CASES = [c for c in RING_CASES if c[0] > 1 and c is not SINK_STEP_CASE] + [

@@ -141,7 +141,8 @@ def test_features(strategy, feature, shape, layout, mode):
 def test_kernel_gets_sorted_tokens(strategy, shape, layout, placed, monkeypatch):
     """The kernel runs a problem without subshards after a Ulysses all-to-all (where a layout describes the
     sorted tokens), and the query rows it gets hold the positions that problem gives them."""
-    from ringjax.core.ring import _positions, shard_index
+    from ringjax.core.shards import positions as _positions
+    from ringjax.core.shards import shard_index
     from ringjax.dispatch import registry
 
     mesh = _mesh(shape)

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ringjax.core import ring
+from ringjax.core import ring, shards
 from ringjax.core.masks import StepOptions, TokenInfo
 from ringjax.core.schedule import ring_plan
 from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
@@ -39,10 +39,10 @@ def _tables(opts):
 def _per_step(opts, q, static: bool):
     """Every ring step's tables on this device, as the kernels get them: statically or from traced positions."""
     plan = ring_plan(opts, T)
-    q_info = ring._infos(opts, q, None)
+    q_info = shards.query_info(opts, q, None)
     out = []
     for step in range(plan.num_steps):
-        k_info = ring._shard_info(opts, ring._source_at(plan, step, opts), T)
+        k_info = shards.shard_info(opts, ring._source_at(plan, step, opts), T)
         if q_info.segpos is not None:  # the offsets travel with K/V in the ring; without segments they are positions
             k_info = k_info._replace(segpos=k_info.pos[None])
         if not static:
@@ -72,7 +72,7 @@ def test_static_tables_match_traced(n, layout):
 def test_static_tables_leave_no_work_to_xla():
     """One device: the tables are constants (no equation computes them); a ring: one gather per table."""
     opts = AttentionOptions(causal=True, window=(100, 0), num_sink_tokens=4)
-    info = ring._shard_info(opts, ring._own, T)
+    info = shards.shard_info(opts, shards.own, T)
     info = info._replace(segpos=info.pos[None])
     assert not jax.make_jaxpr(lambda: on_device(_tables(opts), opts, info, info))().eqns
     traced = info._replace(static_pos=None)
@@ -84,7 +84,7 @@ def test_sink_step_keys_and_segments():
     first = TokenInfo.first(64)
     assert first.is_static and first.on_device(5).pos.tolist() == list(range(64))
     opts = StepOptions.sink_step(AttentionOptions(causal=True, num_sink_tokens=4))
-    info = ring._shard_info(opts, ring._own, T)
+    info = shards.shard_info(opts, shards.own, T)
     got = on_device(lambda q, k: range_table(opts, q, k, 64, 64), opts, info._replace(segpos=info.pos[None]), first)
     assert isinstance(got, np.ndarray) and got[:, :, 3].min() == 1  # every query tile sees the sinks' block
     with_ids = info._replace(seg=jnp.zeros((1, T), jnp.int32))
@@ -96,7 +96,7 @@ def test_long_operands_stay_in_xla(monkeypatch):
     from ringjax.core import visits
 
     opts = AttentionOptions(causal=True)
-    info = ring._shard_info(opts, ring._own, T)
+    info = shards.shard_info(opts, shards.own, T)
     assert isinstance(on_device(_tables(opts), opts, info, info)[0], np.ndarray)
     monkeypatch.setattr(visits, "STATIC_TOKENS", T - 1)
     assert jax.make_jaxpr(lambda: on_device(_tables(opts), opts, info, info))().eqns

@@ -65,6 +65,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("num_sink_tokens_segments", "sink tokens of packed documents", "`num_sink_tokens` with `segment_ids`",
             "every query sees the first s tokens of its own document",
             lambda o: o.num_sink_tokens > 0 and o.has_segments, ("num_sink_tokens",)),
+    Feature("invariant", "results the same on any ring size", '`deterministic="invariant"`',
+            "out, lse and every gradient bitwise the same on any ring size, contiguous or zigzag, ring or all-gather: "
+            "kernels run on fixed granules of the sequence (which their tiles must fit) and partials add in fixed "
+            "point",
+            lambda o: o.invariant),
     Feature("all_gather", "the all-gather K/V schedule", '`strategy="all_gather"`',
             "K/V of the whole axis gathered once instead of travelling the ring (keys in natural order)",
             lambda o: o.gather_kv, ("gather_kv",)),

@@ -26,6 +26,7 @@ from ringjax import _compat
 from ringjax.core import fixed
 from ringjax.core.masks import Extras, TokenInfo, maybe_visible
 from ringjax.core.schedule import steps_may_be_empty
+from ringjax.core.shards import query_info, shard_info, shift
 from ringjax.core.tiles import shard_range
 from ringjax.options import AttentionOptions
 
@@ -112,18 +113,16 @@ def _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body, travelling=None):
     every granule pair of the local queries and each ring step's K/V, where state = (carry, travelling): the
     K/V of every shard visit once, and `travelling` (sums of the visiting shard's keys) moves with them and
     comes home at the end. Returns (carry, travelling)."""
-    from ringjax.core.ring import _infos, _shard_info, shift  # ring.py dispatches here
-
     n, t = opts.axis_size, q.shape[1]
     g = granule(t * n)
     m = t // g
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
     pair = pair_options(opts)
     maybe_empty = not kernel.skips_empty_steps and steps_may_be_empty(opts)
     kv = (k, v, kv_seg, q_info.segpos)
     for step in range(n):
         k_cur, v_cur, seg_cur, segpos_cur = kv
-        k_info = _shard_info(opts, lambda r, step=step: (r - step) % n, t, seg_cur, segpos_cur)
+        k_info = shard_info(opts, lambda r, step=step: (r - step) % n, t, seg_cur, segpos_cur)
 
         def over_keys(c, state, k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             ki = _granule_info(k_info, c, g)

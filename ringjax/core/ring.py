@@ -18,10 +18,21 @@ import numpy as np
 from jax import lax
 
 from ringjax import _compat
+from ringjax.core import invariant
 from ringjax.core.masks import Extras, StepOptions, TokenInfo, maybe_visible
 from ringjax.core.schedule import ring_plan, steps_may_be_empty
+from ringjax.core.shards import (
+    natural_order,
+    needs_segpos,
+    positions,
+    query_info,
+    segment_offsets,
+    shard_index,
+    shard_info,
+    shift,
+    whole,
+)
 from ringjax.core.tiles import shard_range
-from ringjax.layouts import local_positions
 from ringjax.merge import add_sinks, merge_attention
 from ringjax.options import AttentionOptions
 
@@ -72,21 +83,6 @@ class BlockKernel:
         return cls(name, fwd, bwd, **kw)
 
 
-def shift(tree, opts: AttentionOptions, d: int):
-    """Device r receives the value of device r - d (mod N)."""
-    n = opts.axis_size
-    d %= n
-    if d == 0:
-        return tree
-    perm = [(i, (i + d) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, opts.axis_name, perm), tree)
-
-
-def shard_index(opts: AttentionOptions):
-    """This device's index on the ring (0 without a ring)."""
-    return lax.axis_index(opts.axis_name) if opts.axis_name is not None else jnp.int32(0)
-
-
 def _run_step(opts, kernel, q_info, k_info, compute, empty):
     """Run `compute` unless the mask hides every key of this step from every query."""
     if kernel.skips_empty_steps or not steps_may_be_empty(opts):
@@ -95,89 +91,28 @@ def _run_step(opts, kernel, q_info, k_info, compute, empty):
     return lax.cond(pred, compute, empty)
 
 
-def _positions(opts: AttentionOptions, shard, t: int, xp=jnp):
-    """Global positions of the t tokens that device `shard` holds."""
-    return local_positions(opts.layout, shard, opts.axis_size, t, xp=xp, subshards=opts.subshards)
-
-
-def _shard_info(opts: AttentionOptions, source, t: int, seg=None, segpos=None) -> TokenInfo:
-    """TokenInfo of the t tokens of shard `source(r)` on device r; without segment ids their positions on
-    every device come along as numpy (`TokenInfo.static_pos`)."""
-    static = None
-    if seg is None:
-        static = np.stack([_positions(opts, source(r), t, xp=np) for r in range(opts.axis_size)])
-    return TokenInfo(_positions(opts, source(shard_index(opts)), t), seg, segpos, static)
-
-
-def _own(shard):
-    return shard
-
-
 def _source_at(plan, step: int, opts: AttentionOptions):
     """The shard whose K/V device r holds at `step`, as a function of r."""
     return functools.partial(plan.source, step=step, axis_size=opts.axis_size)
 
 
-def _natural_order(opts: AttentionOptions, t: int) -> np.ndarray | None:
-    """Indices that put the devices' tokens, concatenated in device order, in natural order (None: already)."""
-    order = np.argsort(np.concatenate([_positions(opts, r, t, xp=np) for r in range(opts.axis_size)]))
-    return None if np.array_equal(order, np.arange(order.size)) else order
-
-
-def _whole(x, opts: AttentionOptions, order):
-    """x [B, t, ...] of every device along the sequence, in natural token order."""
-    if opts.axis_size > 1:
-        x = lax.all_gather(x, opts.axis_name, axis=1, tiled=True)
-    return x if order is None else x[:, order]
-
-
 def _scatter_home(x, opts: AttentionOptions, order):
-    """Transpose of `_whole`: every device's contributions summed, each device keeping its own tokens."""
+    """Transpose of `whole`: every device's contributions summed, each device keeping its own tokens."""
     if order is not None:
         x = x[:, np.argsort(order)]
     return lax.psum_scatter(x, opts.axis_name, scatter_dimension=1, tiled=True) if opts.axis_size > 1 else x
 
 
-def _needs_segpos(opts: AttentionOptions) -> bool:
-    return bool(opts.num_sink_tokens) or (opts.chunk_size is not None and opts.has_segments)
-
-
-def _segment_offsets(whole_seg):
-    """Offset [B, T] of each token within its run of equal segment ids (whole sequence, natural order).
-
-    Sink tokens and per-document chunks need it; a run may begin on another shard, so the
-    segment ids of the whole sequence (a few bytes per token) are gathered once.
-    """
-    idx = jnp.arange(whole_seg.shape[1], dtype=jnp.int32)
-    boundary = jnp.concatenate([jnp.ones_like(whole_seg[:, :1], bool), whole_seg[:, 1:] != whole_seg[:, :-1]],
-                               axis=1)
-    start = lax.cummax(jnp.where(boundary, idx, 0), axis=1)
-    return idx - start
-
-
-def _infos(opts, q, q_seg):
-    """The local queries' TokenInfo."""
-    t = q.shape[1]
-    info = _shard_info(opts, _own, t, q_seg)
-    if not _needs_segpos(opts):
-        return info
-    pos = info.pos
-    # without segments the offset is the global position
-    segpos = _segment_offsets(_whole(q_seg, opts, _natural_order(opts, t)))[:, pos] if opts.has_segments \
-        else pos[None, :]
-    return info._replace(segpos=segpos)
-
-
 def _gather_kv(opts, k, v, kv_seg):
     """K, V and their TokenInfo for the whole sequence in natural order (monotone positions keep block
     skipping tight), and the order that `_scatter_home` undoes."""
-    order = _natural_order(opts, k.shape[1])
-    k_all, v_all = _whole(k, opts, order), _whole(v, opts, order)
-    seg = None if kv_seg is None else _whole(kv_seg, opts, order)
+    order = natural_order(opts, k.shape[1])
+    k_all, v_all = whole(k, opts, order), whole(v, opts, order)
+    seg = None if kv_seg is None else whole(kv_seg, opts, order)
     pos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
     segpos = None
-    if _needs_segpos(opts):
-        segpos = pos[None, :] if seg is None else _segment_offsets(seg)
+    if needs_segpos(opts):
+        segpos = pos[None, :] if seg is None else segment_offsets(seg)
     static = None if seg is not None else np.arange(k_all.shape[1], dtype=np.int32)[None]
     return k_all, v_all, TokenInfo(pos, seg, segpos, static), order
 
@@ -189,14 +124,14 @@ def _dtype_kw(out_dtype):
 
 def _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype=None):
     """The all-gather schedule: one kernel call of the local queries against every key."""
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
     k_all, v_all, k_info, _ = _gather_kv(opts, k, v, kv_seg)
     return kernel.fwd(q, k_all, v_all, q_info, k_info, extras, opts, config, **_dtype_kw(out_dtype))
 
 
 def _gather_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     # K/V are gathered again rather than kept from the forward: residuals stay O(local sequence)
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
     k_all, v_all, k_info, order = _gather_kv(opts, k, v, kv_seg)
     dq, dk, dv, dslopes = kernel.bwd(q, k_all, v_all, dout, lse, delta, q_info, k_info, extras, opts, config)
     return dq, _scatter_home(dk, opts, order), _scatter_home(dv, opts, order), dslopes
@@ -243,7 +178,7 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     t = q.shape[1]
     shard = shard_index(opts)
     plan = ring_plan(opts, t)
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
 
     def gathered(x):
         return None if x is None else lax.all_gather(x, opts.axis_name)
@@ -252,7 +187,7 @@ def ring_sources(opts: AttentionOptions, q, q_seg, kv_seg):
     infos = []
     for step in range(plan.num_steps):
         src = plan.source(shard, step, opts.axis_size)
-        infos.append(_shard_info(opts, _source_at(plan, step, opts), t, None if segs is None else segs[src],
+        infos.append(shard_info(opts, _source_at(plan, step, opts), t, None if segs is None else segs[src],
                                  None if segpos is None else segpos[src]))
     return _without_sinks(opts, plan), q_info, infos, plan.offset
 
@@ -264,7 +199,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtyp
     if plan.num_steps > 1 or plan.sink_step:
         out_dtype = None
     step_dtype = jnp.float32 if out_dtype is None else out_dtype
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
     ring_opts = _without_sinks(opts, plan)
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
     out = lse = None
@@ -272,7 +207,7 @@ def _ring_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtyp
         # issue the next transfer before this step's compute so the two overlap
         nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
-        k_info = _shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
+        k_info = shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             o, lse_s = kernel.fwd(q, k_cur, v_cur, q_info, k_info, extras, ring_opts, config, **_dtype_kw(out_dtype))
@@ -300,8 +235,6 @@ def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, ex
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
     opts, q_seg, kv_seg = _chunks_as_segments(opts, q_seg, kv_seg)
     if opts.invariant:
-        from ringjax.core import invariant  # it runs this module's ring helpers on granule pairs
-
         return invariant.attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
     return _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
@@ -314,11 +247,11 @@ def _chunks_as_segments(opts: AttentionOptions, q_seg, kv_seg):
     if opts.chunk_size is None or not opts.has_segments or opts.num_sink_tokens:
         return opts, q_seg, kv_seg
     t = q_seg.shape[1]
-    order = _natural_order(opts, t)
-    pos = _positions(opts, shard_index(opts), t)
+    order = natural_order(opts, t)
+    pos = positions(opts, shard_index(opts), t)
 
     def refine(seg):
-        return _chunk_ids(_whole(seg, opts, order), opts.chunk_size)[:, pos]
+        return _chunk_ids(whole(seg, opts, order), opts.chunk_size)[:, pos]
 
     q_ids = refine(q_seg)
     kv_ids = q_ids if kv_seg is q_seg else refine(kv_seg)
@@ -327,8 +260,8 @@ def _chunks_as_segments(opts: AttentionOptions, q_seg, kv_seg):
 
 def _chunk_ids(whole_seg, chunk_size: int):
     """[B, T] ids (whole sequence, natural order) equal iff two tokens have the same segment id and the same
-    `_segment_offsets(...) // chunk_size`: the dense rank of that pair in each row; padding (< 0) stays -1."""
-    chunk = _segment_offsets(whole_seg) // chunk_size
+    `segment_offsets(...) // chunk_size`: the dense rank of that pair in each row; padding (< 0) stays -1."""
+    chunk = segment_offsets(whole_seg) // chunk_size
 
     def row(seg, chunk):
         order = jnp.lexsort((chunk, seg))
@@ -397,7 +330,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     grad_dtype = q.dtype if final else jnp.float32
     dtype_kw = _dtype_kw(q.dtype if final else None)
     ring_opts = _without_sinks(opts, plan)
-    q_info = _infos(opts, q, q_seg)
+    q_info = query_info(opts, q, q_seg)
     alibi = extras.alibi_slopes is not None
 
     kv = shift((k, v, kv_seg, q_info.segpos), opts, -plan.offset)
@@ -405,7 +338,7 @@ def _ring_backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opt
     for step in range(plan.num_steps):
         nxt = shift(kv, opts, 1) if step + 1 < plan.num_steps else None
         k_cur, v_cur, seg_cur, segpos_cur = kv
-        k_info = _shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
+        k_info = shard_info(opts, _source_at(plan, step, opts), t, seg_cur, segpos_cur)
 
         def compute(k_cur=k_cur, v_cur=v_cur, k_info=k_info):
             *grads, dsl = kernel.bwd(q, k_cur, v_cur, dout, lse, delta, q_info, k_info, extras, ring_opts, config,

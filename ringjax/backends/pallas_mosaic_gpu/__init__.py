@@ -10,7 +10,7 @@ from ringjax.dispatch.registry import register
 SUPPORT = Support(
     features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
                         "chunk_size_segments", "alibi_slopes", "dropout", "num_sink_tokens",
-                        "num_sink_tokens_segments", "all_gather", "ulysses"}),
+                        "num_sink_tokens_segments", "invariant", "all_gather", "ulysses"}),
     dtypes=("bfloat16", "float16"),
     head_dims=lambda d: d in HEAD_DIMS,
     head_dims_text=", ".join(map(str, HEAD_DIMS[:-1])) + f" or {HEAD_DIMS[-1]}",

@@ -12,7 +12,7 @@ from ringjax.dispatch.registry import register
 SUPPORT = Support(
     features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
                         "chunk_size_segments", "alibi_slopes", "dropout", "num_sink_tokens",
-                        "num_sink_tokens_segments", "all_gather", "ulysses"}),
+                        "num_sink_tokens_segments", "invariant", "all_gather", "ulysses"}),
     dtypes=("float32", "bfloat16"),
     head_dims=lambda d: d % 128 == 0 or d in (8, 16, 32, 64),
     head_dims_text="a multiple of 128, or 8 to 64",

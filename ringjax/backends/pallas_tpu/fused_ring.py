@@ -47,8 +47,8 @@ from ringjax.backends.pallas_tpu.kernels import MetaRefs, grid_order, meta_specs
 from ringjax.core import masks
 from ringjax.core.masks import TokenInfo
 from ringjax.core.operands import Operands, Refs
-from ringjax.core.ring import shard_index, shift
 from ringjax.core.schedule import ring_plan, steps_may_be_empty
+from ringjax.core.shards import shard_index, shift
 from ringjax.core.tiles import Tiling, shard_range
 from ringjax.layouts import local_positions
 from ringjax.merge import finish

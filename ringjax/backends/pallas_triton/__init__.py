@@ -11,8 +11,7 @@ from ringjax.dispatch.registry import register, register_alias
 
 SUPPORT = Support(
     features=frozenset({"causal", "sliding_window", "segment_ids", "logits_soft_cap", "sinks", "chunk_size",
-                        "chunk_size_segments",
-                        "all_gather", "ulysses"}),
+                        "chunk_size_segments", "invariant", "all_gather", "ulysses"}),
     dtypes=("bfloat16", "float16", "float32"),
     head_dims=lambda d: MIN_BLOCK <= d <= 256 and d & (d - 1) == 0,
     head_dims_text="a power of two, 16 to 256",
