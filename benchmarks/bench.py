@@ -267,6 +267,17 @@ def config_overrides(text: str) -> dict:
     return out
 
 
+def deterministic_levels(text: str) -> list:
+    """"false,invariant" -> [False, "invariant"]: `ring_attention`'s deterministic values."""
+    levels = {"false": False, "true": True, "invariant": "invariant"}
+    out = []
+    for item in filter(None, text.split(",")):
+        if item.strip().lower() not in levels:
+            raise argparse.ArgumentTypeError(f"deterministic levels are {', '.join(levels)}, got {item!r}")
+        out.append(levels[item.strip().lower()])
+    return out or [False]
+
+
 def variant_name(overrides: dict) -> str:
     return ",".join(f"{k}={json.dumps(v)}" for k, v in overrides.items()) or "default"
 
@@ -286,13 +297,17 @@ def run_step(args, rec: Recorder):
             elif args.variant:
                 step_variants(args, rec, case, inputs, flops, (ref_name, ref))
             else:
-                try:
-                    timing, out = timed(ringjax_attention(args.implementation, causal), inputs, flops, args)
-                except Exception as e:  # noqa: BLE001
-                    rec.add(case, error=failure(e))
-                    continue
-                check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
-                rec.add(case, **timing, **check)
+                for level in args.deterministic:
+                    # rows of the default level keep the fields they always had
+                    row = case if level is False else {**case, "deterministic": level}
+                    try:
+                        timing, out = timed(ringjax_attention(args.implementation, causal, deterministic=level),
+                                            inputs, flops, args)
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(row, error=failure(e))
+                        continue
+                    check = {} if ref is None else {**errors(out, ref), "reference": ref_name}
+                    rec.add(row, **timing, **check)
         del inputs, ref
 
 
@@ -820,6 +835,7 @@ def table_step(rows):
         base = cudnn.get((c["T"], c["causal"]), {})
         vs = [tflops(r, m) / tflops(base, m) if tflops(r, m) and tflops(base, m) else None for m in ("fwd", "fwd_bwd")]
         library = c["library"] + (f" [{c['variant']}]" if "variant" in c else "")
+        library += f" [deterministic={c['deterministic']}]" if "deterministic" in c else ""
         body.append([kilo(c["T"]), "yes" if c["causal"] else "no", library, r.get("implementation", "—"),
                      r.get("fwd_tflops"), r.get("fwd_bwd_tflops"), r.get("bwd_tflops"), r.get("fwd_ms"),
                      r.get("fwd_bwd_ms"), vs[0], vs[1], r.get("rel_err")])
@@ -1282,6 +1298,9 @@ def parser() -> argparse.ArgumentParser:
                                 "rows carry 'variant' (step: and 'round'), and are meant for --out "
                                 "benchmarks/results/checks")
         if name == "step":
+            s.add_argument("--deterministic", type=deterministic_levels, default=[False],
+                           help="ringjax's deterministic levels to time, comma-separated: false, true, invariant "
+                                "(default false)")
             s.add_argument("--rounds", type=POSITIVE_INT, default=2,
                            help="with --variant: interleaved rounds of the default and every variant (default 2)")
             s.add_argument("--masks", choices=tuple(STEP_MASKS), default="both",
