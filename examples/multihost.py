@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--implementation", default="auto", help="ringjax implementation (default auto)")
     p.add_argument("--fused", action="store_true",
                    help="the Mosaic GPU fused ring (implementation pallas_mosaic_gpu, MosaicGpuConfig(fused=True))")
+    p.add_argument("--deterministic", default="false", choices=["false", "true", "invariant"],
+                   help="ring_attention's deterministic (invariant: the same bits as on any other number of devices)")
     p.add_argument("--out", default=None, help="process 0 saves inputs, outputs and gradients here (.npz)")
     return p.parse_args(argv)
 
@@ -101,11 +103,13 @@ def main(argv=None):
 
     seq = P(None, "sp")
     q, k, v, dout = (global_array(x[name].astype(args.dtype), seq, 1) for name in ("q", "k", "v", "dout"))
-    options = dict(implementation=args.implementation)
+    deterministic = {"false": False, "true": True}.get(args.deterministic, args.deterministic)
+    options = dict(implementation=args.implementation, deterministic=deterministic)
     if args.fused:
         from ringjax.backends.pallas_mosaic_gpu import MosaicGpuConfig
 
-        options = dict(implementation="pallas_mosaic_gpu", config=MosaicGpuConfig(fused=True))
+        options = dict(implementation="pallas_mosaic_gpu", config=MosaicGpuConfig(fused=True),
+                       deterministic=deterministic)
     seg = global_array(x["segment_ids"], seq, 1)
     dlse = global_array(x["dlse"], P(None, None, "sp"), 2)
     sinks = global_array(x["sinks"], P())

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harness import ON_HOPPER, check_against_reference, child_env, reference_for
+from harness import ON_HOPPER, check_against_reference, child_env, reference_for, run_ring
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240
@@ -76,6 +76,19 @@ def test_two_processes_four_devices_each(tmp_path):
     for i, log in enumerate(logs):
         assert f"process {i}/2: 4 local of 8 devices" in log
     _check(out, 8, "float32")
+
+
+def test_invariant_on_two_processes_is_bitwise_one_devices(tmp_path):
+    """deterministic="invariant" over 2 processes x 4 devices (zigzag, packed documents, learnable sinks) gives
+    the bits this process computes on one device: outputs, lse and every gradient."""
+    out = tmp_path / "multihost.npz"
+    _run_two(out, child_env(None), ["--cpu-devices", "4", "--seq-len", "128", "--deterministic", "invariant"])
+    got = dict(np.load(out))
+    x = {name: got[name] for name in ("q", "k", "v", "dout", "dlse", "segment_ids", "sinks")}
+    x["dtype"] = "float32"
+    one = run_ring(x, 1, causal=True, deterministic="invariant")
+    for name in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+        assert np.array_equal(got[name].astype(np.float64), one[name]), name
 
 
 @pytest.mark.skipif(not ON_HOPPER or len(jax.devices()) < 2, reason="needs 2 Hopper GPUs (one per process)")
