@@ -219,6 +219,10 @@ def dilated_attention(
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     check_inputs(q, k, v, segment_ids, sinks, axis_size=call.axis_size, layout=layout, local=not call.is_global)
     opts = make_options(q, axis_name=axis_name, axis_size=call.axis_size, **option_inputs(options))
+    if opts.invariant and (len(branches) > 1 or (sinks is not None and branches[0][1] > 1)):
+        # the merge's backward sums over the head_dim in XLA, in an order that follows the shard's length
+        raise ValueError("dilated_attention with deterministic='invariant' takes one branch, and sinks only with "
+                         f"dilation rate 1: merging branches is not invariant to the ring size; got {branches}")
     seq = q.shape[1]
     local_len = seq // call.axis_size if call.is_global else seq
     _check_layout(layout, branches, call.axis_size, local_len)

@@ -331,3 +331,35 @@ def test_invariant_asks_kernels_about_their_granule_pairs():
     assert "deterministic='invariant' calls it on pairs of 2-token granules" in registry.refusal(reg, problem)
     plain = dataclasses.replace(problem, opts=AttentionOptions(causal=True, axis_size=2))
     assert registry.refusal(reg, plain) is None
+
+
+@pytest.mark.parametrize("entry", ["dilated", "varlen"])
+def test_other_entry_points_are_invariant_too(entry):
+    """dilated_attention (one branch: strided sub-sequences) and ring_attention_varlen (documents from
+    cu_seqlens) give the same gradient bits on 1 and 4 devices."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    rng = np.random.default_rng(8)
+    q, k, v, w = (jnp.asarray(rng.standard_normal((1, 128, h, 16)), jnp.float32) for h in (4, 2, 2, 4))
+    cu = jnp.asarray([0, 37, 100, 128], jnp.int32)
+
+    def call(q, k, v, mesh):
+        if entry == "dilated":
+            return ringjax.dilated_attention(q, k, v, segment_lengths=64, dilation_rates=2, causal=True,
+                                             axis_name="sp", mesh=mesh, deterministic="invariant")
+        return ringjax.ring_attention_varlen(q[0], k[0], v[0], cu, causal=True, axis_name="sp", mesh=mesh,
+                                             deterministic="invariant")[None]
+
+    grads = []
+    for n in (1, 4):
+        mesh = jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n])
+        grads.append(jax.jit(jax.grad(lambda q, k, v: (call(q, k, v, mesh) * w).sum(), argnums=(0, 1, 2)))(q, k, v))
+    for a, b in zip(*grads):
+        assert np.array_equal(a, b)
+
+
+def test_dilated_refuses_branches_it_cannot_merge_invariantly():
+    q, k, v = _qkv(seq=64)
+    with pytest.raises(ValueError, match="takes one branch, and sinks only with dilation rate 1"):
+        ringjax.dilated_attention(q, k, v, segment_lengths=[16, 32], dilation_rates=[1, 2], axis_name=None,
+                                  deterministic="invariant")
