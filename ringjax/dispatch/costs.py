@@ -53,7 +53,8 @@ BACKWARD_FACTOR = 3.5  # forward + backward FLOPs over forward FLOPs (the benchm
 REFERENCE_HEAD_DIM = 128
 # data-dependent: what segments skip depends on the ids, priced only where a problem knows its documents
 _SEGMENTS = frozenset({"segment_ids", "chunk_size_segments", "num_sink_tokens_segments"})
-_UNPRICED = frozenset({"all_gather", "ulysses"})
+# schedules, not per-pair costs of a kernel (the invariant ring runs the same kernels on granule pairs)
+_UNPRICED = frozenset({"all_gather", "ulysses", "invariant"})
 # calibration rows with segments (`bench.py coverage`, `python -m ringjax calibrate`) pack this many documents
 # of equal length in every batch row
 MEASURED_DOCUMENTS = 4

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from ringjax.core import invariant
 from ringjax.dispatch import costs, registry
 
 log = logging.getLogger("ringjax.implementation")
@@ -46,6 +47,9 @@ class Report:
         v_dim = "" if p.v_head_dim == p.head_dim else f" (v {p.v_head_dim})"
         # which backward that runs, where a config asked for a fused one, is its implementation's config_note
         deterministic = "; deterministic gradients" if p.opts.deterministic else ""
+        if p.opts.invariant:
+            g = invariant.granule(p.seq * p.opts.axis_size)
+            deterministic = f"; deterministic='invariant': kernels on {g}-token granule pairs, summed in fixed point"
         # subshards: each device's tokens are that many layout shards, concatenated (a hybrid's all-to-all)
         layout = p.opts.layout + (f" in {p.opts.subshards} subshards" if p.opts.subshards > 1 else "")
         lines = [
