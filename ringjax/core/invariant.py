@@ -16,15 +16,13 @@ the wire, and one kernel call per visible granule pair.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from ringjax import _compat
 from ringjax.core import fixed
-from ringjax.core.masks import Extras, TokenInfo, maybe_visible
+from ringjax.core.masks import TokenInfo, maybe_visible
 from ringjax.core.schedule import steps_may_be_empty
 from ringjax.core.shards import query_info, shard_info, shift
 from ringjax.core.tiles import shard_range
@@ -83,12 +81,6 @@ def pair_options(opts: AttentionOptions) -> AttentionOptions:
     """The options of one granule pair: one contiguous run of queries and one of keys on one device (the
     tokens' global positions, ids and offsets come with them)."""
     return dataclasses.replace(opts, axis_name=None, axis_size=1, layout="contiguous", subshards=1, gather_kv=False)
-
-
-def attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
-    """Per-device ring attention with `deterministic="invariant"`: (out in q.dtype, lse float32 [B, H, T])."""
-    check(opts, q.shape[1])
-    return _attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
 # ---------------------------------------------------------------------------- the ring over granule pairs
@@ -165,7 +157,7 @@ def _one_device(x, opts):
 # ---------------------------------------------------------------------------- forward
 
 
-def _forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
+def forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     """(out f32, lse) before learnable sinks."""
     b, t, h, _ = q.shape
     g = granule(t * opts.axis_size)
@@ -211,7 +203,7 @@ def _forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
 # ---------------------------------------------------------------------------- backward
 
 
-def _backward(opts, kernel, config, q, k, v, dout, lse, delta, q_seg, kv_seg, extras):
+def backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config):
     """(dq, dk, dv, d alibi_slopes or None), float32."""
     b, t, h, d = q.shape
     kvh, dv_dim = k.shape[2], v.shape[3]
@@ -256,13 +248,14 @@ def _backward(opts, kernel, config, q, k, v, dout, lse, delta, q_seg, kv_seg, ex
     return (fixed.decode(dq_l, e_dq), fixed.decode(dk_l, e_dk), fixed.decode(dv_l, e_dv), dslopes)
 
 
-# ---------------------------------------------------------------------------- the op
+# ---------------------------------------------------------------------------- what ring.py's custom_vjp calls
 
 
-def _row_dots(dout, out, g: int):
+def row_dots(dout, out, opts: AttentionOptions):
     """rowsum(dout * out) [B, H, T] float32, a granule at a time: XLA's reductions may group their terms by the
     shape of the whole array, which differs from one ring size to another; a granule's is always the same."""
     b, t, h, d = out.shape
+    g = granule(t * opts.axis_size)
 
     def granule_rows(x):
         do, o = x
@@ -275,43 +268,10 @@ def _row_dots(dout, out, g: int):
     return jnp.moveaxis(rows, 0, 1).reshape(b, t, h).transpose(0, 2, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
-    out, lse, _ = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
-    return out, lse
-
-
-def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
-    from ringjax.merge import add_sinks
-
-    out, lse = _forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
-    if sinks is not None:
-        out, lse = add_sinks(out, lse, sinks)
-    out = out.astype(q.dtype)
-    return out, lse, (q, k, v, q_seg, kv_seg, sinks, extras, out, lse)
-
-
-def _fwd_rule(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
-    out, lse, res = _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
-    return (out, lse), res
-
-
-def _bwd_rule(opts, kernel, config, res, cts):
-    q, k, v, q_seg, kv_seg, sinks, extras, out, lse = res
-    dout, dlse = cts
-    dout = dout.astype(q.dtype)
-    delta = _row_dots(dout, out, granule(q.shape[1] * opts.axis_size)) - dlse.astype(jnp.float32)
-    dq, dk, dv, dslopes = _backward(opts, kernel, config, q, k, v, dout, lse, delta, q_seg, kv_seg, extras)
-    dsinks = None
-    if sinks is not None:
-        # -sum over rows of P(sink) * delta, each row's term exact in fixed point
-        b, h, t = lse.shape
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-        e_s = fixed.exponent(_MARGIN * b * t * opts.axis_size * _bound(delta, opts))
-        part = fixed.total(fixed.encode(-(p_sink * delta), e_s), (0, 2))
-        dsinks = _one_device(fixed.decode(fixed.psum(part, opts.axis_name), e_s), opts).astype(sinks.dtype)
-    dextras = Extras(alibi_slopes=None if dslopes is None else dslopes.astype(extras.alibi_slopes.dtype))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
-
-
-_attention.defvjp(_fwd_rule, _bwd_rule)
+def sinks_grad(sinks, lse, delta, opts: AttentionOptions):
+    """d sinks = -sum over rows of P(sink) * delta: each row's term in fixed point, summed exactly over the ring."""
+    b, h, t = lse.shape
+    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    e_s = fixed.exponent(_MARGIN * b * t * opts.axis_size * _bound(delta, opts))
+    part = fixed.total(fixed.encode(-(p_sink * delta), e_s), (0, 2))
+    return _one_device(fixed.decode(fixed.psum(part, opts.axis_name), e_s), opts).astype(sinks.dtype)

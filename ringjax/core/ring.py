@@ -235,7 +235,7 @@ def ring_attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, ex
     """Per-device ring attention: returns (out in q.dtype, lse float32 [B,H,T])."""
     opts, q_seg, kv_seg = _chunks_as_segments(opts, q_seg, kv_seg)
     if opts.invariant:
-        return invariant.attention_shard(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
+        invariant.check(opts, q.shape[1])
     return _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras)
 
 
@@ -281,7 +281,9 @@ def _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
     # where no learnable sinks rescale it, one call's output is final and may come in q's dtype
     out_dtype = q.dtype if kernel.final_dtype and sinks is None else None
-    if opts.gather_kv:
+    if opts.invariant:  # the same bits on any ring: kernels on granule pairs, sums in fixed point
+        out, lse = invariant.forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras)
+    elif opts.gather_kv:
         out, lse = _gather_forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras, out_dtype)
     elif kernel.ring_fwd is not None:
         out, lse = kernel.ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config, **_dtype_kw(out_dtype))
@@ -303,10 +305,15 @@ def _bwd_rule(opts, kernel, config, res, cts):
     dout, dlse = cts
     dout = dout.astype(q.dtype)
     # dS = P * (dP - delta): the lse cotangent enters as a per-row shift of delta
-    delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
+    if opts.invariant:
+        delta = invariant.row_dots(dout, out, opts)
+    else:
+        delta = jnp.swapaxes((dout.astype(jnp.float32) * out.astype(jnp.float32)).sum(axis=-1), 1, 2)
     delta = delta - dlse.astype(jnp.float32)
     alibi = extras.alibi_slopes is not None
-    if opts.gather_kv:
+    if opts.invariant:
+        ring_bwd = functools.partial(invariant.backward, kernel)
+    elif opts.gather_kv:
         ring_bwd = functools.partial(_gather_backward, kernel)
     elif kernel.ring_bwd is not None:
         ring_bwd = functools.partial(kernel.ring_bwd, **_dtype_kw(q.dtype if kernel.final_dtype else None))
@@ -315,7 +322,9 @@ def _bwd_rule(opts, kernel, config, res, cts):
     dq, dk, dv, dslopes = ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
 
     dsinks = None
-    if sinks is not None:
+    if sinks is not None and opts.invariant:
+        dsinks = invariant.sinks_grad(sinks, lse, delta, opts)
+    elif sinks is not None:
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
         dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
     dextras = Extras(alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype))
