@@ -152,6 +152,26 @@ def test_matches_reference(case):
     assert not races_found()
 
 
+@on_cpu
+def test_invariant_gives_the_same_bits_on_one_and_two_devices(monkeypatch):
+    """deterministic="invariant" with the TPU kernels (the interpreter): granule pairs of 32 tokens (a 4th of the
+    sequence here), the same bits on 1 device and on a zigzag ring of 2, and the float64 reference."""
+    if _too_few_threads(2):
+        _in_a_process_with_threads("test_invariant_gives_the_same_bits_on_one_and_two_devices", 4)
+        return
+    from ringjax.core import invariant
+
+    monkeypatch.setattr(invariant, "FEWEST_GRANULES", 4)
+    x = make_inputs(57, seq=128, heads=4, kv_heads=2, head_dim=128, segments="random", sinks=True)
+    kw = dict(causal=True, sliding_window=50, implementation="pallas_tpu_interpret", deterministic="invariant")
+    one = run_ring(x, 1, **kw)
+    check_against_reference(one, reference_for(x, causal=True, sliding_window=50), "float32")
+    two = run_ring(x, 2, layout="zigzag", **kw)
+    for name in ("out", "lse", "dq", "dk", "dv", "dsinks"):
+        assert np.array_equal(one[name], two[name]), name
+    assert not races_found()
+
+
 # ---------------------------------------------------------------- the fused rings (remote DMA)
 
 FUSED_CASES = {
