@@ -398,6 +398,9 @@ def _add_feature_flags(p: argparse.ArgumentParser) -> None:
         flags = ("--" + name.replace("_", "-"), *_OLD_FLAGS.get(name, ()))
         if kw.role != FEATURE:  # an array argument: whether the call has one
             p.add_argument(*flags, dest=name, action="store_true", help=f"as if {kw.name} were given ({kw.help})")
+        elif kw.type is bool and kw.also:  # a switch that also takes a word: --deterministic [invariant]
+            p.add_argument(*flags, dest=name, nargs="?", const=True, default=kw.default, choices=kw.also,
+                           help=kw.help)
         elif kw.type is bool:
             p.add_argument(*flags, dest=name, action="store_true", help=kw.help)
         elif kw.pair:

@@ -123,9 +123,7 @@ def ring_attention(
     if opts.invariant:
         invariant.check(problem.opts, problem.seq)
     reg, impl = registry.choose(OP, implementation, problem)
-    # invariant: every kernel call is one granule pair, and its config must not change with the ring size
-    tuned = invariant.pair_problem(problem) if opts.invariant else problem
-    selection = autotuning.select(OP, reg, impl, tuned, config, policy=autotune)
+    selection = autotuning.select(OP, reg, impl, problem, config, policy=autotune)
     config = selection.config
     seed = None if dropout_rng is None else jax.random.bits(dropout_rng, (2,), jnp.uint32)
 

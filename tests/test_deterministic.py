@@ -363,3 +363,17 @@ def test_dilated_refuses_branches_it_cannot_merge_invariantly():
     with pytest.raises(ValueError, match="takes one branch, and sinks only with dilation rate 1"):
         ringjax.dilated_attention(q, k, v, segment_lengths=[16, 32], dilation_rates=[1, 2], axis_name=None,
                                   deterministic="invariant")
+
+
+def test_explain_takes_invariant_and_names_the_granules():
+    """`python -m ringjax explain --deterministic invariant`: the config is the granule pair's (no fused ring on
+    one device) and the report names the granules."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-m", "ringjax", "explain", "--shape", "1,65536,8,128", "--kv-heads", "2",
+                            "--devices", "8", "--causal", "--deterministic", "invariant", "--platform", "gpu",
+                            "--device-kind", "NVIDIA H100 80GB HBM3"], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "kernels on 1024-token granule pairs" in child.stdout
+    assert '"fused": false' in child.stdout.splitlines()[0]

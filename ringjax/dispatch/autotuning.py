@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ringjax.core import invariant
 from ringjax.dispatch import cache, registry
 
 POLICIES = ("off", "cached", "on")
@@ -146,6 +147,9 @@ def _from_entry(impl, entry, where: str):
 def select(op: str, reg, impl, problem: registry.Problem, config=None, policy: str | None = None) -> Selection:
     """The config `impl` runs `problem` with, and where it came from (see module docstring)."""
     policy = resolve_policy(policy)
+    if problem.opts.invariant:
+        # every kernel call is one granule pair: its config must not change with the ring size
+        problem = invariant.pair_problem(problem)
     if config is not None:
         if not isinstance(config, impl.config_type):
             raise TypeError(
