@@ -25,7 +25,9 @@ _MOST_TERMS = 1 << 14  # terms one integer reduction adds before its carries are
 
 def exponent(bound) -> jax.Array:
     """int32 grid exponent e with `bound` < 2**(e + HEADROOM): |x| <= bound for every term and partial sum."""
-    _, ex = jnp.frexp(jnp.asarray(bound, jnp.float32))
+    # a bound that overflowed float32 (huge inputs) still gives a grid: values past it are inf anyway
+    bound = jnp.minimum(jnp.asarray(bound, jnp.float32), jnp.finfo(jnp.float32).max)
+    _, ex = jnp.frexp(bound)
     return (ex - HEADROOM).astype(jnp.int32)
 
 
