@@ -121,6 +121,8 @@ def ring_attention(
         strategy_reason = f"strategy={strategy!r}"
     problem = strat.problem(base)
     if opts.invariant:
+        if why := invariant.strategy_refusal(strat.name):  # "auto" over a pair of axes is hybrid
+            raise ValueError(why)
         invariant.check(problem.opts, problem.seq)
     reg, impl = registry.choose(OP, implementation, problem)
     selection = autotuning.select(OP, reg, impl, problem, config, policy=autotune)

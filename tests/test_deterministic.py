@@ -309,6 +309,16 @@ def test_invariant_refusals_name_the_argument(kw, says):
         ringjax.ring_attention(q, k, v, axis_name="sp", **kw)
 
 
+def test_invariant_refuses_hybrid_that_auto_would_pick():
+    """strategy="auto" over a (head_axis, ring_axis) pair is hybrid, which invariant cannot run: a ValueError."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("hp", "sp"), devices=jax.devices()[:4])
+    q, k, v = _qkv(seq=64)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="not 'hybrid'"):
+        ringjax.ring_attention(q, k, v, axis_name=("hp", "sp"), strategy="auto", deterministic="invariant")
+
+
 def test_invariant_refuses_granules_that_straddle_a_device_run():
     """2016 tokens cut into granules of 16: zigzag on 8 devices leaves runs of 126 tokens."""
     if jax.device_count() < 8:
