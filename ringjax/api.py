@@ -94,6 +94,7 @@ def ring_attention(
                  alibi_slopes=alibi_slopes, dropout_rate=dropout_rate, dropout_rng=dropout_rng)
     # axis_name=None: the strategy sets the axes each device's problem runs over
     opts = make_options(q, axis_name=None, axis_size=call.axis_size, **option_inputs(arguments))
+    # a strategy named: refused here, before its own shape checks would give a lesser reason
     if opts.invariant and (why := invariant.strategy_refusal(strategy)):
         raise ValueError(why)
     batch, seq, heads, head_dim = q.shape
@@ -121,7 +122,7 @@ def ring_attention(
         strategy_reason = f"strategy={strategy!r}"
     problem = strat.problem(base)
     if opts.invariant:
-        if why := invariant.strategy_refusal(strat.name):  # "auto" over a pair of axes is hybrid
+        if why := invariant.strategy_refusal(strat.name):  # "auto" over a pair of axes picks hybrid
             raise ValueError(why)
         invariant.check(problem.opts, problem.seq)
     reg, impl = registry.choose(OP, implementation, problem)

@@ -289,8 +289,16 @@ def test_fixed_point_sums_do_not_depend_on_order():
     assert np.array_equal(whole, shuffled) and np.array_equal(whole, halves)
     exact = np.sum(np.asarray(x, np.float64))
     assert abs(float(fixed.decode(whole, e)) - exact) <= 1e-6 * np.abs(np.asarray(x, np.float64)).sum()
-    # float32 addition in two orders does not agree: the property is not free
-    assert np.asarray(x).sum() != np.asarray(x)[::-1].sum() or np.asarray(x).cumsum()[-1] != np.asarray(x).sum()
+    # the property is not free: float32 addition of [1e8, 1, -1e8] gives 0 in this order and 1 in another,
+    # where the fixed-point sums agree, and are exact
+    three = np.asarray([1e8, 1.0, -1e8], np.float32)
+    in_order = three[0] + three[1] + three[2]
+    reordered = three[0] + three[2] + three[1]
+    assert in_order == 0.0 and reordered == 1.0
+    e3 = fixed.exponent(jnp.asarray(4e8, jnp.float32))
+    t3 = fixed.encode(jnp.asarray(three), e3)
+    sums = [float(fixed.decode(fixed.total(t3[:, list(order)], 0), e3)) for order in ((0, 1, 2), (0, 2, 1), (2, 1, 0))]
+    assert sums == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("kw, says", [
