@@ -376,6 +376,18 @@ def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", [FUSED_CASES[1], FUSED_CASES[-1]], ids=["skipping", "window_segments"])
+def test_step_fused_backward_dq_writer(head_dim, case):
+    """dQ added by the producer's writer warp (`bwd_dq_writer`): every visit hands a tile over, zeros where the
+    consumer skips, so the writer walks the visits alone; the same gradients on skipped and masked walks."""
+    layout, n, shard, src, local, dtype, kw = case
+    kw, batch, segments = _with_docs(kw, local * n)
+    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
+                config=dataclasses.replace(FUSED, bwd_dq_writer=True), **kw)
+
+
+@needs_kernels
 @pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
 def test_step_backward_tile_major(config):
     """The backward's CTAs started tile by tile across heads (`bwd_tile_major`): the same gradients."""
@@ -1153,8 +1165,10 @@ def test_sink_step_lowers_for_cuda():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("d, dv, tile_major", [(64, 64, False), (128, 128, False), (128, 64, False), (128, 128, True)])
-def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major):
+@pytest.mark.parametrize("d, dv, tile_major, writer", [(64, 64, False, False), (128, 128, False, False),
+                                                       (128, 64, False, False), (128, 128, True, False),
+                                                       (64, 64, False, True), (128, 128, False, True)])
+def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major, writer):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -1169,7 +1183,7 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major):
     def f(q, k, v, do, lse, delta, seg):
         pos = jnp.arange(t, dtype=jnp.int32)
         cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), bwd_fused=True,
-                                  dkv_num_stages=2, bwd_tile_major=tile_major)
+                                  dkv_num_stages=2, bwd_tile_major=tile_major, bwd_dq_writer=writer)
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 1

@@ -58,11 +58,14 @@ class MosaicGpuConfig(KernelConfig):
     visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
     dS^T store none): faster without a causal mask, slower with one (1 H200, 2026-12-01). Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
-    with the op's `deterministic=True`. `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row
-    tile, each tile of every head before the next tile, instead of head by head (the forward's persistent CTAs
-    order their work themselves); under a causal mask the first tiles are the heaviest, so this is the
-    longest-first order: fwd+bwd 1.05-1.07x at 8K causal, 1.2-1.4x at 4K, 1-2% slower at 16K and at head_dim
-    256 (1 H200, docs/performance.md); the heuristic sets it on causal shards up to 8K
+    with the op's `deterministic=True`. `bwd_dq_writer`: in the fused backward a consumer only stores its dQ
+    tile in shared memory and a warp of the producer warpgroup adds it into global memory (FlashAttention-3's
+    dQ writer), instead of each consumer issuing its own reduce-adds and waiting for their reads.
+    `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row tile, each tile of every head before the
+    next tile, instead of head by head (the forward's persistent CTAs order their work themselves); under a causal
+    mask the first tiles are the heaviest, so this is the longest-first order: fwd+bwd 1.05-1.07x at 8K causal,
+    1.2-1.4x at 4K, 1-2% slower at 16K and at head_dim 256 (1 H200, docs/performance.md); the heuristic sets it on
+    causal shards up to 8K
     (`implementation.TILE_MAJOR_SEQ`). `bwd_reverse`: the dK/dV kernel walks each key tile's query blocks
     last first, so under a causal mask the CTAs running at once read the same query blocks (from the last)
     instead of each its own diagonal's. `fused`: the forward ring as one kernel per call that copies the other
@@ -91,6 +94,7 @@ class MosaicGpuConfig(KernelConfig):
     pair_heads: bool = True
     bwd_fused: bool = False
     bwd_dq_first: bool = False
+    bwd_dq_writer: bool = False
     bwd_tile_major: bool = False
     bwd_reverse: bool = False
     fused: bool = False

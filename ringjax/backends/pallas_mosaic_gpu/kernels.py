@@ -1452,7 +1452,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
-                dq_first: bool = False, ring: _Ring | None = None):
+                dq_first: bool = False, dq_writer: bool = False, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
@@ -1466,6 +1466,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
     ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
+    # `dq_writer`: per consumer, its dQ tile is in its epilogue slots; the writer warp has read them
+    dq_stored, dq_free = r.take(2, dq_writer)
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
     stored, read = r.take(2, walk.split)
@@ -1528,9 +1530,14 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     if kind == "skip":
                         plgpu.barrier_arrive(free.at[slot])
                         # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
-                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
+                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do).
+                        # `dq_writer`: every visit hands over a dQ tile, zeros if need be, so that the writer
+                        # warp knows each tile's place from the walk alone (warp code cannot read shared memory)
+                        if with_dq and d == _DQ_COLS and dq_writer:
+                            hand_over(jnp.zeros((bq, _DQ_COLS), jnp.float32), blk, gi)
                         if with_dq and d != _DQ_COLS:
                             seen = (blk >= other[2]) & (blk < other[5])
+                            seen = seen | dq_writer
 
                             @pl.when(seen)
                             def _():
@@ -1677,10 +1684,24 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 return dq_products(buf, _parts(wg), cols), cols
 
             def write_dq(dq, blk, gi, cols):
+                if dq_writer:
+                    hand_over(dq * opts.softmax_scale, blk, gi)
+                    return
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
                 _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
+
+            def hand_over(dq, blk, gi):
+                """`dq_writer`: store the scaled dQ tile of query block `blk`, head `gi` of the group, in this
+                consumer's epilogue slots for the writer warp (which walks the same visits) to add."""
+                del blk, gi  # the writer knows them
+                plgpu.barrier_wait(dq_free.at[wg])  # the writer has read the last tile
+                cols = o_smem.shape[-1]
+                for c in range(dq.shape[1] // cols):
+                    o_smem[wg, c] = dq[:, c * cols:(c + 1) * cols].astype(o_smem.dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(dq_stored.at[wg])
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
@@ -1701,6 +1722,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 @pl.when(calls[0] > 0)
                 def _():
                     write_dq(dq, calls[1], calls[2], dq_cols)
+            if dq_writer:  # the writer has read the last tile: the epilogue may reuse its slots
+                plgpu.barrier_wait(dq_free.at[wg])
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
             dk = dk * opts.softmax_scale
@@ -1714,29 +1737,68 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
         _per_consumer(_consumer)
 
+        def write_dq_tiles():
+            """The writer warp: per visit of the walk, in the consumers' order, wait for each consumer's dQ tile,
+            add it into dQ by TMA reduce-add, and free the consumer's slots once the adds have read them."""
+            width = o_smem.shape[-1]
+            n_chunks = _DQ_COLS // width  # [64, 64] tiles: head_dim 128's half, or head_dim 64's whole
+            assert n_chunks <= o_smem.shape[1], "a dQ tile fits a consumer's epilogue slots"
+            for c in (0, 1):
+                plgpu.barrier_arrive(dq_free.at[c])
+
+            @pl.loop(0, groups * span.steps)
+            def _(i):
+                gi = lax.div(i, jnp.maximum(span.steps, 1))
+                blk = span.block(i - gi * span.steps)
+                rows, h = pl.ds(blk * bq, bq), kvh * groups + gi
+                for c in (0, 1):
+                    plgpu.barrier_wait(dq_stored.at[c])
+                    dst = dq_ref.at[cta, c, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                    col0 = c * _DQ_COLS if lag else 0
+                    for j in range(n_chunks):
+                        plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst.at[:, pl.ds(col0 + j * width, width)],
+                                                reduction_op=None if emulate else "add")
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    plgpu.barrier_arrive(dq_free.at[c])
+
+            plgpu.wait_smem_to_gmem(0)
+
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
 
-            @pl.loop(0, groups * span.steps)
-            def _(i):
-                slot = lax.rem(i, jnp.int32(stages))
-                gi = lax.div(i, jnp.maximum(span.steps, 1))
-                h = kvh * groups + gi
-                blk = span.block(i - gi * span.steps)
-                rows = (b, pl.ds(blk * bq, bq), h)
-                cols = (b, h, pl.ds(blk * bq, bq))
+            def loads():
+                @pl.loop(0, groups * span.steps)
+                def _(i):
+                    slot = lax.rem(i, jnp.int32(stages))
+                    gi = lax.div(i, jnp.maximum(span.steps, 1))
+                    h = kvh * groups + gi
+                    blk = span.block(i - gi * span.steps)
+                    rows = (b, pl.ds(blk * bq, bq), h)
+                    cols = (b, h, pl.ds(blk * bq, bq))
 
-                @pl.when(i >= stages)
-                def _():
-                    plgpu.barrier_wait(free.at[slot])
+                    @pl.when(i >= stages)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
 
-                _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
-                plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
-                _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
-                plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
+                    _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
+                    plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
+                    _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
+                    plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
 
-            _drain(groups * span.steps, stages, free)
+                _drain(groups * span.steps, stages, free)
+
+            if not dq_writer:
+                loads()
+                return
+
+            # FlashAttention-3's dQ writer: the producer's first warp loads, its second adds the consumers' dQ
+            # tiles into global memory, so a consumer only stores its tile and goes on
+            def warps(warp):
+                pl.when(warp == 0)(loads)
+                pl.when(warp == 1)(write_dq_tiles)
+
+            plgpu.warp_map(warps)
 
     def own(write):
         write(dk_ref, dv_ref)
@@ -1966,10 +2028,12 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
     scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt)),  # dS^T [visit % 2, consumer]
                 plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
+    if config.bwd_dq_writer:  # per consumer: its dQ tile stored; read by the writer warp
+        scratch += [plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                          walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
                          added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
-                         dq_first=config.bwd_dq_first)
+                         dq_first=config.bwd_dq_first, dq_writer=config.bwd_dq_writer)
     return (dq.sum((0, 1)) if parts else dq), dk, dv
