@@ -574,16 +574,61 @@ def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
+@needs_kernels
+def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch):
+    """deterministic="invariant" with these kernels takes every local granule of one side per call against one
+    granule of the other (`invariant.rows_at_once`: 2m calls per ring step, not m^2). Their rows do not depend on
+    each other, so the partials, and after the fixed-point sums every output, have the bits of the pair calls;
+    and they match the float64 reference. 128-token granules of 256 tokens, documents, a window."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL
+    from ringjax.core import invariant
+    from ringjax.core.ring import ring_attention_shard
+    from ringjax.options import INVARIANT
+
+    from reference import attention_reference
+
+    monkeypatch.setattr(invariant, "FEWEST_GRANULES", 2)
+    x = make_inputs(91, dtype="bfloat16", seq=256, batch=1, heads=4, kv_heads=2, head_dim=64)
+    q, k, v, dout = (jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v", "dout"))
+    ids = np.repeat([0, 1, 2], [100, 120, 36])[None]
+    seg = jnp.asarray(ids, jnp.int32)
+    opts = AttentionOptions(softmax_scale=0.125, causal=True, window=(90, 0), has_segments=True,
+                            deterministic=INVARIANT)
+
+    def loss(q, k, v):
+        out, lse = ring_attention_shard(opts, KERNEL, SMALL, q, k, v, seg, seg, None)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum() + (lse * x["dlse"]).sum(), (out, lse)
+
+    def run():
+        (_, (out, lse)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return [np.asarray(a.astype(jnp.float32), np.float64) for a in (out, lse, *grads)]
+
+    assert invariant.rows_at_once(opts, KERNEL, SMALL)
+    rows = run()
+    monkeypatch.setattr(invariant, "rows_at_once", lambda *args: False)
+    pairs = run()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), rows, pairs):
+        assert np.array_equal(a, b), name
+    want = attention_reference(*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), causal=True,
+                               window=(90, 0), segment_ids=ids, softmax_scale=0.125,
+                               dout=np.asarray(dout.astype(jnp.float32)), dlse=x["dlse"])
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), rows):
+        assert rel_err(got, want[name]) < 2e-2, name
+
+
 @hopper_only
 @pytest.mark.parametrize("dtype, xkw, kw", [
-    ("bfloat16", dict(seq=4096, batch=1, heads=4, kv_heads=2, head_dim=128, segments="random"),
+    ("bfloat16", dict(seq=8192, batch=1, heads=4, kv_heads=2, head_dim=128, segments="random"),
      dict(causal=True, sliding_window=700)),
-    ("float16", dict(seq=4096, batch=1, heads=4, kv_heads=1, head_dim=64, sinks=True, dropout_key=3),
+    ("float16", dict(seq=8192, batch=1, heads=4, kv_heads=1, head_dim=64, sinks=True, dropout_key=3),
      dict(causal=True, dropout_rate=0.1)),
+    # ALiBi's slope gradient sums over both sides in the kernel: one call per granule pair
+    ("bfloat16", dict(seq=8192, batch=1, heads=4, kv_heads=2, head_dim=64, alibi=True), dict(causal=True)),
 ])
 def test_invariant_matches_reference_and_is_the_same_on_every_ring(dtype, xkw, kw):
-    """deterministic="invariant" runs the kernels on 64-token granule pairs (4096 tokens): exact against the
-    float64 reference, and bitwise the same run to run and on every ring this machine has."""
+    """deterministic="invariant" runs the kernels on 128-token granules (8192 tokens; 64-token ones would give
+    the dK/dV kernel an odd key tile): exact against the float64 reference, and bitwise the same run to run and
+    on every ring this machine has."""
     x = make_inputs(71, dtype=dtype, **xkw)
     kw = dict(kw, implementation="pallas_mosaic_gpu", deterministic="invariant")
     first = run_ring(x, 1, **kw)
@@ -952,6 +997,10 @@ def _problem(**kw):
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
     (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the two consumers"),
+    # the dK/dV kernel's CTAs take two 64-key tiles: the third of 192 keys had none, and its dK/dV were never
+    # written (found by `deterministic="invariant"`'s 64-token granules in the interpreter)
+    (dict(seq=192, heads=4, kv_heads=2), "the backward's dK/dV kernel take two 64-key tiles"),
+    (dict(seq=64, heads=4, kv_heads=2, head_dim=64), "the backward's dK/dV kernel take two 64-key tiles"),
 ])
 def test_refusals_name_the_reason(kw, match):
     why = IMPLEMENTATION.supports(_problem(**kw))

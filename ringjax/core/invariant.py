@@ -2,7 +2,9 @@
 
 Every kernel call takes one granule of G queries against one granule of G keys, G a function of the global
 sequence length alone (`granule`), so each partial result is the same computation on the same data whatever
-the ring; the partials then add in fixed point (`core.fixed`), whose sums do not depend on their order.
+the ring; the partials then add in fixed point (`core.fixed`), whose sums do not depend on their order. A kernel
+whose rows do not depend on each other (`rows_at_once`) takes every local granule of one side at once against
+one granule of the other: the same partials in 2m calls per ring step instead of m^2.
 
 Forward: the ring runs twice. The first pass takes each query's largest partial lse (a max is exact); the
 second adds every partial output scaled by w = exp(partial lse - that max) <= 1, and the w themselves, so
@@ -10,7 +12,7 @@ out = sum(w o) / sum(w) and lse = max + log(sum(w)). Backward: one pass; dQ, dK,
 per granule pair, dK/dV travelling with their K/V as int32 limbs. Every grid is set by bounds on the sums
 built from maxima of |q|, |k|, |v|, |dO| and |delta| over the ring (exact, so the same on any ring).
 Costs: the forward twice, a full ring (no shortened ring, no sink step), limbs 5x float32 in memory and on
-the wire, and one kernel call per visible granule pair.
+the wire, and one kernel call per visible granule pair (or per granule, rows at once).
 """
 
 from __future__ import annotations
@@ -90,33 +92,61 @@ def _slice(x, start, size, axis):
     return None if x is None else lax.dynamic_slice_in_dim(x, start, size, axis)
 
 
+def _part(x, i, g: int, axis: int):
+    """Granule i of x along `axis`, or all of x where i is None (a call over every local granule)."""
+    return x if i is None else _slice(x, i * g, g, axis)
+
+
 def _granule_info(info: TokenInfo, i, g: int) -> TokenInfo:
     return TokenInfo(_slice(info.pos, i * g, g, 0), _slice(info.seg, i * g, g, 1), _slice(info.segpos, i * g, g, 1))
 
 
 def _add_at(limbs, term, i, g: int, axis: int):
-    """limbs with `term` (limbs of one granule) added at granule i along `axis` of the values."""
+    """limbs with `term` (limbs of one granule) added at granule i along `axis` of the values; of all of them
+    where i is None."""
+    if i is None:
+        return fixed.add(limbs, term)
     part = lax.dynamic_slice_in_dim(limbs, i * g, g, axis + 1)
     return lax.dynamic_update_slice_in_dim(limbs, fixed.add(part, term), i * g, axis + 1)
 
 
-def _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body, travelling=None):
-    """Run state = body(a, c, query and key granule infos, key and value granules, pair options, state) on
-    every granule pair of the local queries and each ring step's K/V, where state = (carry, travelling): the
-    K/V of every shard visit once, and `travelling` (sums of the visiting shard's keys) moves with them and
-    comes home at the end. Returns (carry, travelling)."""
+def rows_at_once(opts: AttentionOptions, kernel, config) -> bool:
+    """Whether each call takes every local granule of one side against one granule of the other (2m calls per
+    ring step instead of m^2): where the kernel's rows do not depend on the others in the call
+    (`BlockKernel.rows_independent`), and no gradient sums over both sides' tokens in the kernel (ALiBi's slopes)
+    or beside it (the gradients of sink tokens outside a window, summed densely in XLA by some kernels)."""
+    return kernel.rows_independent(config) and not opts.has_alibi and not opts.num_sink_tokens
+
+
+def _steps(opts, q, k, v, q_seg, kv_seg, state, per_step):
+    """state = per_step(q_info, key/value shard, its key info, state) for the K/V of every shard in turn, where
+    state = (carry, travelling): `travelling` (sums of the visiting shard's keys) moves with the K/V and comes
+    home at the end. Returns (carry, travelling)."""
     n, t = opts.axis_size, q.shape[1]
-    g = granule(t * n)
-    m = t // g
     q_info = query_info(opts, q, q_seg)
-    pair = pair_options(opts)
-    maybe_empty = not kernel.skips_empty_steps and steps_may_be_empty(opts)
     kv = (k, v, kv_seg, q_info.segpos)
+    carry, travelling = state
     for step in range(n):
         k_cur, v_cur, seg_cur, segpos_cur = kv
         k_info = shard_info(opts, lambda r, step=step: (r - step) % n, t, seg_cur, segpos_cur)
+        carry, travelling = per_step(q_info, k_cur, v_cur, k_info, (carry, travelling))
+        if step + 1 < n:
+            kv = shift(kv, opts, 1)
+            travelling = shift(travelling, opts, 1)
+    # after the last step device r holds shard r + 1: each shard's own sums come home from one device back
+    return carry, shift(travelling, opts, 1)
 
-        def over_keys(c, state, k_cur=k_cur, v_cur=v_cur, k_info=k_info):
+
+def _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body, travelling=None):
+    """Run state = body(a, c, query and key granule infos, key and value granules, pair options, state) on
+    every granule pair of the local queries and each ring step's K/V (`_steps`). Returns (carry, travelling)."""
+    g = granule(q.shape[1] * opts.axis_size)
+    m = q.shape[1] // g
+    pair = pair_options(opts)
+    maybe_empty = not kernel.skips_empty_steps and steps_may_be_empty(opts)
+
+    def per_step(q_info, k_cur, v_cur, k_info, state):
+        def over_keys(c, state):
             ki = _granule_info(k_info, c, g)
             kc, vc = _slice(k_cur, c * g, g, 1), _slice(v_cur, c * g, g, 1)
 
@@ -132,12 +162,35 @@ def _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body, travelling=None):
 
             return lax.fori_loop(0, m, over_queries, state)
 
-        carry, travelling = lax.fori_loop(0, m, over_keys, (carry, travelling))
-        if step + 1 < n:
-            kv = shift(kv, opts, 1)
-            travelling = shift(travelling, opts, 1)
-    # after the last step device r holds shard r + 1: each shard's own sums come home from one device back
-    return carry, shift(travelling, opts, 1)
+        return lax.fori_loop(0, m, over_keys, state)
+
+    return _steps(opts, q, k, v, q_seg, kv_seg, (carry, travelling), per_step)
+
+
+def _ring_rows(opts, q, k, v, q_seg, kv_seg, carry, travelling=None, by_keys=None, by_queries=None):
+    """`_ring` for kernels whose rows are independent (`rows_at_once`): on each ring step, state =
+    by_keys(None, c, local query info, key granule c's info, its keys and values, pair options, state) for every
+    key granule c, then by_queries(a, None, query granule a's info, the shard's key info, keys and values, pair
+    options, state) for every local query granule a. Returns (carry, travelling)."""
+    g = granule(q.shape[1] * opts.axis_size)
+    m = q.shape[1] // g
+    pair = pair_options(opts)
+
+    def per_step(q_info, k_cur, v_cur, k_info, state):
+        if by_keys is not None:
+            def over_keys(c, state):
+                kc, vc = _slice(k_cur, c * g, g, 1), _slice(v_cur, c * g, g, 1)
+                return by_keys(None, c, q_info, _granule_info(k_info, c, g), kc, vc, pair, state)
+
+            state = lax.fori_loop(0, m, over_keys, state)
+        if by_queries is not None:
+            def over_queries(a, state):
+                return by_queries(a, None, _granule_info(q_info, a, g), k_info, k_cur, v_cur, pair, state)
+
+            state = lax.fori_loop(0, m, over_queries, state)
+        return state
+
+    return _steps(opts, q, k, v, q_seg, kv_seg, (carry, travelling), per_step)
 
 
 def _bound(x, opts):
@@ -163,18 +216,24 @@ def forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     g = granule(t * opts.axis_size)
     refs = (q, k)
 
+    def ring(carry, body):  # body(a, ...) with a None takes every local query granule at once
+        if rows_at_once(opts, kernel, config):
+            return _ring_rows(opts, q, k, v, q_seg, kv_seg, carry, by_keys=body)
+        return _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, body)
+
     def partial(a, qi, ki, kc, vc, pair):
-        qa = _slice(q, a * g, g, 1)
-        return kernel.fwd(qa, kc, vc, qi, ki, extras, pair, config)
+        return kernel.fwd(_part(q, a, g, 1), kc, vc, qi, ki, extras, pair, config)
 
     def biggest(a, c, qi, ki, kc, vc, pair, state):
         most, _ = state
         _, lse = partial(a, qi, ki, kc, vc, pair)
+        if a is None:
+            return jnp.maximum(most, lse), None
         cur = lax.dynamic_slice_in_dim(most, a * g, g, 2)
         return lax.dynamic_update_slice_in_dim(most, jnp.maximum(cur, lse), a * g, 2), None
 
     most0 = _compat.match_vma(jnp.full((b, h, t), -jnp.inf, jnp.float32), *refs)
-    most, _ = _ring(opts, kernel, q, k, v, q_seg, kv_seg, most0, biggest)
+    most, _ = ring(most0, biggest)
     shift_by = jnp.where(jnp.isfinite(most), most, 0.0)
 
     # bounds of the sums: each w <= 1, |o| <= max |v| (a convex combination; dropout scales it up)
@@ -185,13 +244,13 @@ def forward(opts, kernel, config, q, k, v, q_seg, kv_seg, extras):
     def add(a, c, qi, ki, kc, vc, pair, state):
         (out_l, w_l), _ = state
         o, lse = partial(a, qi, ki, kc, vc, pair)
-        w = jnp.exp(lse - lax.dynamic_slice_in_dim(shift_by, a * g, g, 2))  # 0 where the pair shows nothing
+        w = jnp.exp(lse - _part(shift_by, a, g, 2))  # 0 where the pair shows nothing
         wo = jnp.swapaxes(w, 1, 2)[..., None] * o.astype(jnp.float32)
         return (_add_at(out_l, fixed.encode(wo, e_o), a, g, 1), _add_at(w_l, fixed.encode(w, e_w), a, g, 2)), None
 
     zeros = (_compat.match_vma(fixed.zeros((b, t, h, v.shape[3])), *refs),
              _compat.match_vma(fixed.zeros((b, h, t)), *refs))
-    (out_l, w_l), _ = _ring(opts, kernel, q, k, v, q_seg, kv_seg, zeros, add)
+    (out_l, w_l), _ = ring(zeros, add)
     w = fixed.decode(w_l, e_w)
     seen = w > 0
     out = jnp.where(jnp.swapaxes(seen, 1, 2)[..., None],
@@ -223,11 +282,14 @@ def backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, con
     alibi = extras.alibi_slopes is not None
     refs = (q, k, dout)
 
+    def grads(a, qi, ki, kc, vc, pair):
+        """The kernel's gradients of query granule a (None: every local one) against the keys kc."""
+        return kernel.bwd(_part(q, a, g, 1), kc, vc, _part(dout, a, g, 1), _part(lse, a, g, 2),
+                          _part(delta, a, g, 2), qi, ki, extras, pair, config)
+
     def add(a, c, qi, ki, kc, vc, pair, state):
         (dq_l, sl_l), (dk_l, dv_l) = state
-        qa, doa = _slice(q, a * g, g, 1), _slice(dout, a * g, g, 1)
-        lse_a, delta_a = _slice(lse, a * g, g, 2), _slice(delta, a * g, g, 2)
-        dq, dk, dv, dsl = kernel.bwd(qa, kc, vc, doa, lse_a, delta_a, qi, ki, extras, pair, config)
+        dq, dk, dv, dsl = grads(a, qi, ki, kc, vc, pair)
         dq_l = _add_at(dq_l, fixed.encode(dq, e_dq), a, g, 1)
         dk_l = _add_at(dk_l, fixed.encode(dk, e_dk), c, g, 1)
         dv_l = _add_at(dv_l, fixed.encode(dv, e_dv), c, g, 1)
@@ -235,12 +297,27 @@ def backward(kernel, q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, con
             sl_l = fixed.add(sl_l, fixed.encode(dsl, e_sl))
         return (dq_l, sl_l), (dk_l, dv_l)
 
+    # rows at once: dQ of every local query against key granule c, then dK/dV of every visiting key against
+    # query granule a; each call's other gradients are left unused (XLA drops a kernel whose outputs go unused)
+    def add_dq(a, c, qi, ki, kc, vc, pair, state):
+        (dq_l, sl_l), travelling = state
+        dq = grads(None, qi, ki, kc, vc, pair)[0]
+        return (fixed.add(dq_l, fixed.encode(dq, e_dq)), sl_l), travelling
+
+    def add_dkv(a, c, qi, ki, kc, vc, pair, state):
+        carry, (dk_l, dv_l) = state
+        _, dk, dv, _ = grads(a, qi, ki, kc, vc, pair)
+        return carry, (fixed.add(dk_l, fixed.encode(dk, e_dk)), fixed.add(dv_l, fixed.encode(dv, e_dv)))
+
     def zeros(*shape):
         return _compat.match_vma(fixed.zeros(shape), *refs)
 
     carry = (zeros(b, t, h, d), zeros(h) if alibi else None)
     travelling = (zeros(b, t, kvh, d), zeros(b, t, kvh, dv_dim))
-    carry, travelling = _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, add, travelling)
+    if rows_at_once(opts, kernel, config):
+        carry, travelling = _ring_rows(opts, q, k, v, q_seg, kv_seg, carry, travelling, add_dq, add_dkv)
+    else:
+        carry, travelling = _ring(opts, kernel, q, k, v, q_seg, kv_seg, carry, add, travelling)
     (dq_l, sl_l), (dk_l, dv_l) = carry, travelling
     dslopes = None
     if alibi:
