@@ -376,6 +376,18 @@ def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, 
 
 
 @needs_kernels
+@pytest.mark.parametrize("config", [SMALL, FUSED, dataclasses.replace(FUSED, bwd_dq_writer=True)],
+                         ids=["split", "fused", "fused_writer"])
+@pytest.mark.parametrize("local, kw", [(192, dict(causal=True)), (64, dict(window=(20, 30)))])
+def test_step_backward_with_an_odd_number_of_key_tiles(config, local, kw):
+    """The dK/dV kernel's CTAs take two 64-key tiles: with 192 (or 64) keys the last CTA's second consumer has
+    none. It walks the first's tile, adds nothing to dQ and stores nothing; before, that tile had no CTA and its
+    dK/dV were never written (found by `deterministic="invariant"`'s 64-token granules in the interpreter)."""
+    for head_dim in (64, 128) if config.bwd_fused else (64,):
+        _check_step("contiguous", 1, 0, 0, local, "bfloat16", head_dim, 4, 2, config=config, **kw)
+
+
+@needs_kernels
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", [FUSED_CASES[1], FUSED_CASES[-1]], ids=["skipping", "window_segments"])
 def test_step_fused_backward_dq_writer(head_dim, case):
@@ -626,9 +638,8 @@ def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch):
     ("bfloat16", dict(seq=8192, batch=1, heads=4, kv_heads=2, head_dim=64, alibi=True), dict(causal=True)),
 ])
 def test_invariant_matches_reference_and_is_the_same_on_every_ring(dtype, xkw, kw):
-    """deterministic="invariant" runs the kernels on 128-token granules (8192 tokens; 64-token ones would give
-    the dK/dV kernel an odd key tile): exact against the float64 reference, and bitwise the same run to run and
-    on every ring this machine has."""
+    """deterministic="invariant" runs the kernels on 128-token granules (8192 tokens): exact against the float64
+    reference, and bitwise the same run to run and on every ring this machine has."""
     x = make_inputs(71, dtype=dtype, **xkw)
     kw = dict(kw, implementation="pallas_mosaic_gpu", deterministic="invariant")
     first = run_ring(x, 1, **kw)
@@ -997,10 +1008,6 @@ def _problem(**kw):
     (dict(seq=96), "per-device sequence is 96: must be a multiple of 64"),
     (dict(seq=192, opts=AttentionOptions(layout="zigzag", axis_size=2)), "half the per-device sequence"),
     (dict(seq=192, heads=3, kv_heads=1), "must be a multiple of 128 when the two consumers"),
-    # the dK/dV kernel's CTAs take two 64-key tiles: the third of 192 keys had none, and its dK/dV were never
-    # written (found by `deterministic="invariant"`'s 64-token granules in the interpreter)
-    (dict(seq=192, heads=4, kv_heads=2), "the backward's dK/dV kernel take two 64-key tiles"),
-    (dict(seq=64, heads=4, kv_heads=2, head_dim=64), "the backward's dK/dV kernel take two 64-key tiles"),
 ])
 def test_refusals_name_the_reason(kw, match):
     why = IMPLEMENTATION.supports(_problem(**kw))

@@ -6,13 +6,7 @@ import dataclasses
 import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
-from ringjax.backends.pallas_mosaic_gpu.config import (
-    ROWS,
-    SMEM_LIMIT,
-    MosaicGpuConfig,
-    split_head_dim,
-    supports_fused_bwd,
-)
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, supports_fused_bwd
 from ringjax.core.masks import may_skip
 from ringjax.core.problem import Problem, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
@@ -137,16 +131,11 @@ def _refusal(problem: Problem, config: MosaicGpuConfig | None = None) -> str | N
     if block_stride(opts, problem.seq, ROWS) is None:
         return (f"layout {opts.layout!r} with {opts.subshards} subshard(s) of {problem.seq} tokens has 64-token "
                 f"blocks whose positions are not evenly spaced")
-    # the two consumers of a block take two heads of one group, else two row tiles; the dK/dV kernel's take two
-    # 64-key tiles up to head_dim 128 (above, the same tile's halves): an odd tile would have no CTA
+    # the two consumers of a forward or dQ block take two heads of one group, else two row tiles
+    if problem.seq % (2 * ROWS) and (problem.gqa_ratio % 2 or not config.pair_heads):
+        return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two consumers "
+                f"of a block take two row tiles (query heads per KV head: {problem.gqa_ratio})")
     d, dv = problem.head_dims
-    if problem.seq % (2 * ROWS):
-        if problem.gqa_ratio % 2 or not config.pair_heads:
-            return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} when the two "
-                    f"consumers of a block take two row tiles (query heads per KV head: {problem.gqa_ratio})")
-        if not split_head_dim(d, dv):
-            return (f"the per-device sequence {problem.seq} must be a multiple of {2 * ROWS} at head_dims up to "
-                    f"128: the two consumers of the backward's dK/dV kernel take two 64-key tiles")
     if max(d, dv) > 128 and (d % _SPLIT_MULTIPLE or dv % _SPLIT_MULTIPLE):
         return (f"head_dim {d} with v head_dim {dv}: above 128 the backward splits both in halves, which must be "
                 f"multiples of 32 (head_dims multiples of {_SPLIT_MULTIPLE})")

@@ -975,7 +975,9 @@ def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, g
     n_tiles = t // ROWS
     return _Walk(block=block, n_blocks=s // block, stages=stages, ranged=may_skip(opts), pair_heads=pair_heads,
                  heaviest_last=opts.causal and not transpose, row_stride=strides[transpose],
-                 col_stride=strides[not transpose], n_ctas=n_tiles if pair_heads or split else n_tiles // 2,
+                 col_stride=strides[not transpose],
+                 # two row tiles per CTA; the dK/dV kernel's last CTA may have one (`_dkv_kernel`'s `spare`)
+                 n_ctas=n_tiles if pair_heads or split else -(-n_tiles // 2) if transpose else n_tiles // 2,
                  prefix=prefix, split=split)
 
 
@@ -1496,11 +1498,19 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         calls `write(dk_ref, dv_ref)` with where each consumer's dK/dV go."""
         row = b if has_seg else 0
         tiles = [_row_tile(walk, cta, w)[0] for w in (0, 1)]  # split: one tile
+        # an odd number of key tiles: the last CTA's second consumer has none of its own. It walks the first's
+        # tile (reads in range, the same bounds), adds nothing to dQ and stores nothing
+        last = k_ref.shape[1] // ROWS - 1
+        odd = not walk.split and last % 2 == 0
+        if odd:
+            spare_cta = tiles[1] > last
+            tiles = [jnp.minimum(t, last) for t in tiles]
         bounds = [_bounds(rng_ref, row, t, walk.n_blocks, walk) for t in tiles]
         span = _Span.union(*bounds, reverse=walk.reverse)
 
         def _consumer(wg):
             plgpu.set_max_registers(_REGS["dkv"][0], action="increase")
+            spare = (wg == 1) & spare_cta if odd else None
             tile = jnp.where(wg == 0, tiles[0], tiles[1])
             my = [jnp.where(wg == 0, a, c) for a, c in zip(bounds[0], bounds[1])]
             other = [jnp.where(wg == 0, c, a) for a, c in zip(bounds[0], bounds[1])]
@@ -1592,6 +1602,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if t is not None:
                         dst = dst * cap_slope(t)
+                    if with_dq and spare is not None:  # the spare consumer's dS^T must add nothing to dQ
+                        dst = dst * jnp.where(spare, 0.0, 1.0)
                     dst16 = dst.astype(q_ref.dtype)
 
                     if walk.split:
@@ -1729,9 +1741,15 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             dk = dk * opts.softmax_scale
 
             def write(dk_out, dv_out):
-                chunks = _write_rows(dk, o_smem, wg, dk_out.at[mine])
-                _write_rows(dv, o_smem, wg, dv_out.at[mine_v], first=chunks)
-                plgpu.wait_smem_to_gmem(0)
+                def rows():
+                    chunks = _write_rows(dk, o_smem, wg, dk_out.at[mine])
+                    _write_rows(dv, o_smem, wg, dv_out.at[mine_v], first=chunks)
+                    plgpu.wait_smem_to_gmem(0)
+
+                if spare is None:
+                    rows()
+                else:
+                    pl.when(jnp.logical_not(spare))(rows)
 
             store(write)
 
