@@ -1755,29 +1755,28 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
         _per_consumer(_consumer)
 
-        def write_dq_tiles():
-            """The writer warp: per visit of the walk, in the consumers' order, wait for each consumer's dQ tile,
-            add it into dQ by TMA reduce-add, and free the consumer's slots once the adds have read them."""
+        def write_dq_tiles(c: int):
+            """Consumer c's writer warp: per visit of the walk, wait for the consumer's dQ tile, add it into dQ by
+            TMA reduce-add, and free the consumer's slots once the adds have read them. A warp per consumer, so
+            neither waits on the other's adds."""
             width = o_smem.shape[-1]
             n_chunks = _DQ_COLS // width  # [64, 64] tiles: head_dim 128's half, or head_dim 64's whole
             assert n_chunks <= o_smem.shape[1], "a dQ tile fits a consumer's epilogue slots"
-            for c in (0, 1):
-                plgpu.barrier_arrive(dq_free.at[c])
+            col0 = c * _DQ_COLS if lag else 0
+            plgpu.barrier_arrive(dq_free.at[c])
 
             @pl.loop(0, groups * span.steps)
             def _(i):
                 gi = lax.div(i, jnp.maximum(span.steps, 1))
                 blk = span.block(i - gi * span.steps)
                 rows, h = pl.ds(blk * bq, bq), kvh * groups + gi
-                for c in (0, 1):
-                    plgpu.barrier_wait(dq_stored.at[c])
-                    dst = dq_ref.at[cta, c, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                    col0 = c * _DQ_COLS if lag else 0
-                    for j in range(n_chunks):
-                        plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst.at[:, pl.ds(col0 + j * width, width)],
-                                                reduction_op=None if emulate else "add")
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    plgpu.barrier_arrive(dq_free.at[c])
+                plgpu.barrier_wait(dq_stored.at[c])
+                dst = dq_ref.at[cta, c, b, rows, h] if emulate else dq_ref.at[b, rows, h]
+                for j in range(n_chunks):
+                    plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst.at[:, pl.ds(col0 + j * width, width)],
+                                            reduction_op=None if emulate else "add")
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(dq_free.at[c])
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -1810,11 +1809,12 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 loads()
                 return
 
-            # FlashAttention-3's dQ writer: the producer's first warp loads, its second adds the consumers' dQ
-            # tiles into global memory, so a consumer only stores its tile and goes on
+            # FlashAttention-3's dQ writer: the producer's first warp loads, its second and third add the two
+            # consumers' dQ tiles into global memory, so a consumer only stores its tile and goes on
             def warps(warp):
                 pl.when(warp == 0)(loads)
-                pl.when(warp == 1)(write_dq_tiles)
+                pl.when(warp == 1)(lambda: write_dq_tiles(0))
+                pl.when(warp == 2)(lambda: write_dq_tiles(1))
 
             plgpu.warp_map(warps)
 
