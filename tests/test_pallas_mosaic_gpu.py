@@ -233,6 +233,47 @@ STEP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("block_diagonal", [None, False])
+@pytest.mark.parametrize("kw", [dict(window=(60, 0), num_sink_tokens=4),
+                                dict(window=(60, 0), num_sink_tokens=3, alibi=True, dropout_rate=0.2,
+                                     logits_soft_cap=8.0)])
+def test_few_keys_grads_match_the_reference(kw, block_diagonal):
+    """The sink keys' dK/dV that the dK/dV kernel leaves out (`dense.few_keys_grads`), against every query and
+    only where the sink rule alone shows the pair: Q and dO read in their own layout through block-diagonal
+    products (the default at 6 heads x 4 keys), and grouped by KV head (`block_diagonal=False`). Needs no kernel:
+    it is XLA's."""
+    from ringjax.core.dense import few_keys_grads
+
+    kw = dict(kw)
+    total, sinks, heads, kv_heads, head_dim, dtype = 256, kw["num_sink_tokens"], 6, 2, 64, "bfloat16"
+    alibi, rate = kw.pop("alibi", False), kw.get("dropout_rate", 0.0)
+    rng = np.random.default_rng(5)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    q, do = (cast(rng.standard_normal((2, total, heads, head_dim))) for _ in range(2))
+    k, v = (cast(rng.standard_normal((2, sinks, kv_heads, head_dim))) for _ in range(2))
+    qpos, kpos = np.arange(total), np.arange(sinks)
+    rule = functools.partial(mask_reference, total, causal=True, window=kw["window"])
+    mask = (rule(num_sink_tokens=sinks) & ~rule())[:, qpos][:, :, kpos]
+    opts = StepOptions.sink_step(AttentionOptions(causal=True, has_alibi=alibi, softmax_scale=0.2, **kw))
+    mods, extras = {}, Extras()
+    if alibi:
+        slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
+        mods.update(dist=np.abs(qpos[:, None] - kpos[None, :]).astype(np.float64), slopes=slopes)
+        extras = extras._replace(alibi_slopes=jnp.asarray(slopes))
+    if rate:
+        seed = np.array([12345, 678], np.uint32)
+        mods.update(keep=dropout_keep_reference(seed, rate, 2, heads, total)[:, :, qpos][:, :, :, kpos], rate=rate)
+        extras = extras._replace(dropout_seed=jnp.asarray(seed))
+    ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
+    qi, ki = TokenInfo(jnp.asarray(qpos), None, jnp.asarray(qpos)[None]), TokenInfo.first(sinks)
+    dk, dv = jax.jit(functools.partial(few_keys_grads, opts=opts, block_diagonal=block_diagonal))(
+        q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32), qi, ki, extras)
+    assert dk.shape == k.shape and dv.shape == v.shape and dk.dtype == dv.dtype == jnp.float32
+    for name, got in (("dk", dk), ("dv", dv)):
+        err = rel_err(got, ref[name])
+        assert err < 2e-2, f"{name}: relative error {err:.2e}"
+
+
 @needs_kernels
 @pytest.mark.parametrize("head_dim", [64] + ([128] if ON_HOPPER else []))
 @pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", STEP_CASES)
@@ -586,12 +627,31 @@ def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     check_against_reference(got, reference_for(x, **kw), dtype)
 
 
+def test_invariant_rows_at_once_where_nothing_sums_across_rows():
+    """Rows at once wherever no gradient sums over a call's rows: not ALiBi's slopes, nor the dK/dV of sink tokens
+    a window hides (`config.sinks_apart`: one dense product over every query of the call); sink tokens of
+    documents, or without a window, stay in the kernels."""
+    from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL
+    from ringjax.core import invariant
+    from ringjax.options import INVARIANT
+
+    def at_once(**kw):
+        return invariant.rows_at_once(AttentionOptions(causal=True, deterministic=INVARIANT, **kw), KERNEL, SMALL)
+
+    assert at_once(window=(90, 0)) and at_once(num_sink_tokens=4)
+    assert at_once(window=(90, 0), num_sink_tokens=4, has_segments=True)
+    assert not at_once(window=(90, 0), num_sink_tokens=4) and not at_once(chunk_size=128, num_sink_tokens=2)
+    assert not at_once(window=(90, 0), has_alibi=True)
+
+
 @needs_kernels
-def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch):
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch, sinks):
     """deterministic="invariant" with these kernels takes every local granule of one side per call against one
     granule of the other (`invariant.rows_at_once`: 2m calls per ring step, not m^2). Their rows do not depend on
     each other, so the partials, and after the fixed-point sums every output, have the bits of the pair calls;
-    and they match the float64 reference. 128-token granules of 256 tokens, documents, a window."""
+    and they match the float64 reference. 128-token granules of 256 tokens, documents, a window, and the sink
+    tokens of each document."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL
     from ringjax.core import invariant
     from ringjax.core.ring import ring_attention_shard
@@ -605,7 +665,7 @@ def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch):
     ids = np.repeat([0, 1, 2], [100, 120, 36])[None]
     seg = jnp.asarray(ids, jnp.int32)
     opts = AttentionOptions(softmax_scale=0.125, causal=True, window=(90, 0), has_segments=True,
-                            deterministic=INVARIANT)
+                            num_sink_tokens=sinks, deterministic=INVARIANT)
 
     def loss(q, k, v):
         out, lse = ring_attention_shard(opts, KERNEL, SMALL, q, k, v, seg, seg, None)
@@ -622,7 +682,7 @@ def test_invariant_rows_at_once_give_the_bits_of_granule_pairs(monkeypatch):
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), rows, pairs):
         assert np.array_equal(a, b), name
     want = attention_reference(*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), causal=True,
-                               window=(90, 0), segment_ids=ids, softmax_scale=0.125,
+                               window=(90, 0), segment_ids=ids, softmax_scale=0.125, num_sink_tokens=sinks,
                                dout=np.asarray(dout.astype(jnp.float32)), dlse=x["dlse"])
     for name, got in zip(("out", "lse", "dq", "dk", "dv"), rows):
         assert rel_err(got, want[name]) < 2e-2, name

@@ -64,24 +64,56 @@ def tile_grads(qi, doi, kj, vj, lse_i, delta_i, tile: Tile, opts: AttentionOptio
     return dq, dk, dv, ds_logit
 
 
+# largest (local query heads) x (keys) for which `few_keys_grads` multiplies block-diagonal matrices: their
+# products cost 2 T (H S) (H D) FLOPs against the T H D bytes of a Q or dO read, so at H S FLOPs a byte, below the
+# ~300 of a Hopper GPU's ridge, they stay bound by the one read of each
+BLOCK_DIAGONAL_MAX = 256
+
+
 def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
-                   opts: AttentionOptions):
+                   opts: AttentionOptions, block_diagonal: bool | None = None):
     """dK and dV (float32, k's and v's shapes) of a few keys against every query, as one dense tile: no loop
     and no conditional. For kernels that walk queries per key tile, where a key every query sees would walk
-    all of them alone."""
+    all of them alone.
+
+    Q and dO are read in their own [B, T, H, D] layout, as [T, H D] matrices: the S keys of every head are one
+    block-diagonal [H D, H S] matrix, so the logits, dP, dK and dV are four plain matrix products whose batch is
+    B alone, and dK, dV the diagonal blocks of theirs. Grouped by KV head instead ([B, KVH, G, T, D]), XLA
+    copied Q and dO to that layout first, twice the bytes (0.9 ms at 32K tokens, 32 heads, one H100). Where
+    H S exceeds `BLOCK_DIAGONAL_MAX` (or `block_diagonal=False`) the products waste more than they save, and
+    the grouped layout runs."""
     b, t, h, _ = q.shape
-    kvh = k.shape[2]
+    s, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    f32, prec = jnp.float32, dot_precision(q.dtype, DEFAULT)
+    tile = Tile(opts, extras, q_info, k_info, kvh, g)
+    lse, delta = (x.reshape(b, kvh, g, t) for x in (finite_or_zero(lse), delta))  # [B, H, T] -> [B, KVH, G, T]
+    if not (h * s <= BLOCK_DIAGONAL_MAX if block_diagonal is None else block_diagonal):
+        def rows(x):  # [B, T, H, D] -> [B, KVH, G, T, D]
+            return x.reshape(b, t, kvh, g, x.shape[3]).transpose(0, 2, 3, 1, 4)
 
-    def rows(x):  # [B, T, H, D] -> [B, KVH, G, T, D]
-        return x.reshape(b, t, kvh, h // kvh, x.shape[3]).transpose(0, 2, 3, 1, 4)
+        def keys(x):  # [B, S, KVH, D] <-> [B, KVH, S, D]
+            return x.transpose(0, 2, 1, 3)
 
-    def keys(x):  # [B, S, KVH, D] <-> [B, KVH, S, D]
-        return x.transpose(0, 2, 1, 3)
+        _, dk, dv, _ = tile_grads(rows(q), rows(dout), keys(k), keys(v), lse, delta, tile, opts, b, prec)
+        return keys(dk), keys(dv)
 
-    def stats(x):  # [B, H, T] -> [B, KVH, G, T]
-        return x.reshape(b, kvh, h // kvh, t)
+    def flat(x):  # [B, T, H, D] -> [B, T, H D]: a reshape, no copy
+        return x.reshape(b, t, -1)
 
-    tile = Tile(opts, extras, q_info, k_info, kvh, h // kvh)
-    _, dk, dv, _ = tile_grads(rows(q), rows(dout), keys(k), keys(v), stats(finite_or_zero(lse)), stats(delta), tile,
-                              opts, b, dot_precision(q.dtype, DEFAULT))
-    return keys(dk), keys(dv)
+    def scores(x, y):  # [B, KVH, G, T, S]: x [B, T, H, D] against keys y [B, S, KVH, D]
+        y = jnp.repeat(y, g, axis=2)  # [B, S, H, D]
+        diag = jnp.einsum("bshd,hi->bhdis", y, jnp.eye(h, dtype=y.dtype)).reshape(b, -1, h * s)
+        out = jnp.einsum("btx,bxy->bty", flat(x), diag, preferred_element_type=f32, precision=prec)
+        return out.reshape(b, t, kvh, g, s).transpose(0, 2, 3, 1, 4)
+
+    def per_key(w, x):  # sum over queries and groups of w [B, KVH, G, T, S] times x [B, T, H, D]: [B, S, KVH, D]
+        w = w.transpose(0, 3, 1, 2, 4).reshape(b, t, h * s)
+        full = jnp.einsum("btx,bty->bxy", w, flat(x), preferred_element_type=f32, precision=prec)
+        blocks = jnp.diagonal(full.reshape(b, h, s, h, x.shape[3]), axis1=1, axis2=3)  # [B, S, D, H]
+        return blocks.reshape(b, s, x.shape[3], kvh, g).sum(-1).transpose(0, 1, 3, 2)
+
+    logits, slope = logits_and_slope(scores(q, k), opts)
+    p = exp_below(tile.logits(logits), lse[..., None])  # 0 where masked
+    ds = p * (tile.dropped(scores(dout, v), b) - delta[..., None]) * slope
+    return per_key(ds.astype(q.dtype), q), per_key(tile.dropped(p, b).astype(dout.dtype), dout)

@@ -113,9 +113,9 @@ def _add_at(limbs, term, i, g: int, axis: int):
 def rows_at_once(opts: AttentionOptions, kernel, config) -> bool:
     """Whether each call takes every local granule of one side against one granule of the other (2m calls per
     ring step instead of m^2): where the kernel's rows do not depend on the others in the call
-    (`BlockKernel.rows_independent`), and no gradient sums over both sides' tokens in the kernel (ALiBi's slopes)
-    or beside it (the gradients of sink tokens outside a window, summed densely in XLA by some kernels)."""
-    return kernel.rows_independent(config) and not opts.has_alibi and not opts.num_sink_tokens
+    (`BlockKernel.rows_independent`, which knows what its kernels sum beside them), and no gradient sums over both
+    sides' tokens (ALiBi's slopes)."""
+    return kernel.rows_independent(opts, config) and not opts.has_alibi
 
 
 def _steps(opts, q, k, v, q_seg, kv_seg, state, per_step):

@@ -55,8 +55,8 @@ class BlockKernel:
       ring_fwd(q, k, v, q_seg, kv_seg, extras, opts, config) -> (out f32, lse), before sinks;
       ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config)
         -> (dq, dk, dv, d alibi_slopes or None), float32.
-    `rows_independent(config)`: each query's output, lse and dQ, and each key's dK/dV, are the same bits whatever
-    other rows share the call (no reduction across rows, blocks sized by the other operand's length alone), so
+    `rows_independent(opts, config)`: each query's output, lse and dQ, and each key's dK/dV, are the same bits
+    whatever other rows share the call (no reduction across rows, blocks sized by the other operand's length alone), so
     `deterministic="invariant"` may take all of a device's granules against one granule per call
     (`core.invariant`) instead of one call per granule pair.
     `final_dtype`: fwd, ring_fwd, bwd and ring_bwd also take `out_dtype=`; where no merge follows a call
@@ -72,7 +72,7 @@ class BlockKernel:
     ring_fwd: Callable[..., Any] | None = None
     ring_bwd: Callable[..., Any] | None = None
     final_dtype: bool = False
-    rows_independent: Callable[[Any], bool] = lambda config: False
+    rows_independent: Callable[[Any, Any], bool] = lambda opts, config: False
 
     @classmethod
     def without_extras(cls, name: str, block_fwd: Callable[..., Any], block_bwd: Callable[..., Any], **kw):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ringjax.core.problem import KernelConfig, int_in, one_of
+from ringjax.core.schedule import reach
 
 ROWS = 64  # rows of one consumer warpgroup's tile: the M of one wgmma instruction
 SMEM_LIMIT = 227 * 1024  # shared memory one block may opt into on sm90 (H100, H200)
@@ -38,6 +39,13 @@ def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
     """Whether `kernels.fused_ring_bwd` can run: its copy CTAs stage K/V through the dK/dV kernel's whole-width
     query slots, which head_dims above 128 split in halves."""
     return not split_head_dim(head_dim, v_head_dim)
+
+
+def sinks_apart(opts) -> bool:
+    """Whether the split backward's dK/dV kernel leaves the sink tokens to a dense product in XLA
+    (`kernels._sink_key_grads`): where a window or chunks hide some of their pairs (else the base rule shows
+    them all) and without segments (whose sinks start every document)."""
+    return bool(opts.num_sink_tokens) and not opts.has_segments and reach(opts) is not None
 
 
 @dataclasses.dataclass(frozen=True)

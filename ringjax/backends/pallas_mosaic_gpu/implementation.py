@@ -6,7 +6,7 @@ import dataclasses
 import functools
 
 from ringjax.backends.pallas_mosaic_gpu import SUPPORT
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, supports_fused_bwd
+from ringjax.backends.pallas_mosaic_gpu.config import ROWS, SMEM_LIMIT, MosaicGpuConfig, sinks_apart, supports_fused_bwd
 from ringjax.core.masks import may_skip
 from ringjax.core.problem import Problem, fused_backward_note
 from ringjax.core.ring import BlockKernel, ring_attention_shard, ring_sources
@@ -53,9 +53,10 @@ def _ring_bwd(q, k, v, dout, lse, delta, q_seg, kv_seg, extras, opts, config, si
 
 
 # rows independent: 64-row tiles of the rows, blocks of the streamed side sized by its length alone (`kernels._fit`);
-# deterministic runs the split backward, whose dQ and dK/dV kernels sum nothing across rows
+# deterministic runs the split backward, whose dQ and dK/dV kernels sum nothing across rows. But for the sink
+# tokens a window hides (`sinks_apart`): their dK/dV are one dense product over every query in the call
 KERNEL = BlockKernel(name="pallas_mosaic_gpu", fwd=_fwd, bwd=_bwd, skips_empty_steps=True, final_dtype=True,
-                     rows_independent=lambda config: True)
+                     rows_independent=lambda opts, config: not sinks_apart(opts))
 # `MosaicGpuConfig(fused=True)`: the forward ring, and the backward's dK/dV, as one kernel each that copies K/V
 # (and the dK/dV partials) between devices itself. Above head_dim 128 the backward is the ring of step kernels
 FUSED_KERNEL = dataclasses.replace(KERNEL, name="pallas_mosaic_gpu_fused", ring_fwd=_ring_fwd, ring_bwd=_ring_bwd)

@@ -49,7 +49,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ringjax import _compat
-from ringjax.backends.pallas_mosaic_gpu.config import ROWS, MosaicGpuConfig, epilogue_slots, split_head_dim
+from ringjax.backends.pallas_mosaic_gpu.config import (
+    ROWS,
+    MosaicGpuConfig,
+    epilogue_slots,
+    sinks_apart,
+    split_head_dim,
+)
 from ringjax.core.dense import few_keys_grads
 from ringjax.core.masks import (
     Extras,
@@ -363,6 +369,11 @@ class _Span:
         """The block streamed at visit i."""
         main = self.lo + self.n - 1 - (i - self.pn) if self.reverse else self.lo + i - self.pn
         return jnp.where(i < self.pn, self.plo + i, main)
+
+    def visit(self, i):
+        """(head within the group, block) of visit i of a walk that takes each head of the group in turn."""
+        gi = lax.div(i, jnp.maximum(self.steps, 1))
+        return gi, self.block(i - gi * self.steps)
 
 
 def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
@@ -1544,7 +1555,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         # `dq_writer`: every visit hands over a dQ tile, zeros if need be, so that the writer
                         # warp knows each tile's place from the walk alone (warp code cannot read shared memory)
                         if with_dq and d == _DQ_COLS and dq_writer:
-                            hand_over(jnp.zeros((bq, _DQ_COLS), jnp.float32), blk, gi)
+                            hand_over(jnp.zeros((bq, _DQ_COLS), jnp.float32))
                         if with_dq and d != _DQ_COLS:
                             seen = (blk >= other[2]) & (blk < other[5])
                             seen = seen | dq_writer
@@ -1697,17 +1708,16 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             def write_dq(dq, blk, gi, cols):
                 if dq_writer:
-                    hand_over(dq * opts.softmax_scale, blk, gi)
+                    hand_over(dq * opts.softmax_scale)
                     return
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
                 _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
 
-            def hand_over(dq, blk, gi):
-                """`dq_writer`: store the scaled dQ tile of query block `blk`, head `gi` of the group, in this
-                consumer's epilogue slots for the writer warp (which walks the same visits) to add."""
-                del blk, gi  # the writer knows them
+            def hand_over(dq):
+                """`dq_writer`: store this visit's scaled dQ tile in the consumer's epilogue slots for the writer
+                warp, which walks the same visits and so knows its place."""
                 plgpu.barrier_wait(dq_free.at[wg])  # the writer has read the last tile
                 cols = o_smem.shape[-1]
                 for c in range(dq.shape[1] // cols):
@@ -1767,8 +1777,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             @pl.loop(0, groups * span.steps)
             def _(i):
-                gi = lax.div(i, jnp.maximum(span.steps, 1))
-                blk = span.block(i - gi * span.steps)
+                gi, blk = span.visit(i)
                 rows, h = pl.ds(blk * bq, bq), kvh * groups + gi
                 plgpu.barrier_wait(dq_stored.at[c])
                 dst = dq_ref.at[cta, c, b, rows, h] if emulate else dq_ref.at[b, rows, h]
@@ -1788,9 +1797,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 @pl.loop(0, groups * span.steps)
                 def _(i):
                     slot = lax.rem(i, jnp.int32(stages))
-                    gi = lax.div(i, jnp.maximum(span.steps, 1))
+                    gi, blk = span.visit(i)
                     h = kvh * groups + gi
-                    blk = span.block(i - gi * span.steps)
                     rows = (b, pl.ds(blk * bq, bq), h)
                     cols = (b, h, pl.ds(blk * bq, bq))
 
@@ -1887,20 +1895,13 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         return dq, dk, dv, dslope
     if config.interpret:  # jax's GPU interpreter keeps one global state: run one kernel at a time
         dq, q = lax.optimization_barrier((dq, q))
-    apart = _sinks_apart(opts)
+    apart = sinks_apart(opts)
     kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
     dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
                          out_dtype=jnp.float32 if apart else out_dtype)
     if apart:
         dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
     return dq, dk, dv, dslope
-
-
-def _sinks_apart(opts: AttentionOptions) -> bool:
-    """Whether the dK/dV kernel leaves the sink tokens to `_sink_key_grads`: where a window or chunks hide
-    some of their pairs (else the base rule shows them all) and without segments (whose sinks start
-    every document)."""
-    return bool(opts.num_sink_tokens) and not opts.has_segments and reach(opts) is not None
 
 
 def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
