@@ -540,10 +540,11 @@ def _mma(accs, terms, emulate: bool = False, between=None):
     return list(pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
-def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None):
+def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None, issued=None):
     """`_mma` that issues every term, then reads accumulator `early` as soon as its products (and those issued
     before them) are done and runs `then(value)` while the later ones are still in flight: FlashAttention-3's
-    overlap of a softmax or a store with the next matmuls. `before[i]()` runs just before term i is issued.
+    overlap of a softmax or a store with the next matmuls. `before[i]()` runs just before term i is issued,
+    `issued()` once all are.
     An acc is an array to add to, or a shape for a fresh zero one. Returns `then`'s result and every
     accumulator's final value; with any acc an array `then` may only act, and returns None (a value cannot
     leave `pl.run_state`)."""
@@ -556,6 +557,8 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
             if i in before:
                 before[i]()
             out += _mma([_zeros(acc) if isinstance(acc, tuple) else acc], [parts], emulate)
+        if issued is not None:
+            issued()
         return then(out[early]), out
     later = sum(len(parts) for parts in terms[early + 1:])  # wgmma groups still in flight when it is read
 
@@ -566,6 +569,8 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
             for a, b, tb in parts:
                 a = a.ref.transpose((1, 0)) if isinstance(a, _T) else a
                 plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
+        if issued is not None:
+            issued()
         got = then(plgpu.wgmma_accumulator_load(refs[early], wait_n=later))
         if fresh:
             return got, [ref[...] for ref in refs]
@@ -576,6 +581,13 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
     out = pl.run_state(lambda refs: body(*refs))(
         tuple(plgpu.ACC.init(_zeros(a) if isinstance(a, tuple) else a) for a in accs))
     return None, list(out)
+
+
+def _meet(barrier):
+    """Both consumers reach this point before either goes on (a barrier of two arrivals): called one turn apart,
+    it makes them take turns (FlashAttention-3's ping-pong)."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
 
 
 def _interpret(config: MosaicGpuConfig) -> dict:
@@ -798,9 +810,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
     base0 = 0 if persist is None else jnp.int32(0)
 
-    def schedule():
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+    schedule = functools.partial(_meet, sched)
 
     def cta(where, j=0):
         return _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row, where)
@@ -1465,7 +1475,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
-                dq_first: bool = False, dq_writer: bool = False, ring: _Ring | None = None):
+                dq_first: bool = False, ping_pong: bool = False, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
@@ -1479,13 +1489,13 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
     seg_bar = r.take(1, has_seg)
     ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
-    # `dq_writer`: per consumer, its dQ tile is in its epilogue slots; the writer warp has read them
-    dq_stored, dq_free = r.take(2, dq_writer)
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
     stored, read = r.take(2, walk.split)
     if walk.split:
         (pt_smem, dst_smem), o_smem = o_smem
+    # `ping_pong` (fused): the consumers take turns at the tensor cores, as the forward's do
+    sched = r.take(1, ping_pong)
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bq // 2  # split: the queries of a block whose scores each consumer computes
@@ -1503,6 +1513,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         j = lax.rem(ring.local + lax.div(kvh, jnp.int32(kv_heads)), jnp.int32(ring.steps))
         kvh, cta = lax.rem(kvh, jnp.int32(kv_heads)), cta - ring.copy_rows
         rng_ref, kstart_ref, kseg_ref = (_of_step(ring, x, j) for x in (rng_ref, kstart_ref, kseg_ref))
+
+    schedule = functools.partial(_meet, sched)
 
     def key_tiles(kv_src, store):
         """Key tiles of CTA `cta`, KV head `kvh`: K/V tiles read from the refs `kv_src()` gives; `store(write)`
@@ -1549,16 +1561,14 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_wait(delta_bar.at[slot])
                     if kind == "skip":
+                        if ping_pong:  # a visit's two turns, so that the turns stay paired
+                            schedule()
+                            schedule()
                         plgpu.barrier_arrive(free.at[slot])
                         # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
-                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do).
-                        # `dq_writer`: every visit hands over a dQ tile, zeros if need be, so that the writer
-                        # warp knows each tile's place from the walk alone (warp code cannot read shared memory)
-                        if with_dq and d == _DQ_COLS and dq_writer:
-                            hand_over(jnp.zeros((bq, _DQ_COLS), jnp.float32))
+                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
                         if with_dq and d != _DQ_COLS:
                             seen = (blk >= other[2]) & (blk < other[5])
-                            seen = seen | dq_writer
 
                             @pl.when(seen)
                             def _():
@@ -1594,7 +1604,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     if with_dq:
                         # FlashAttention-3's order: dP^T is issued with S^T and computes while P^T does
                         terms = [(k_smem.at[wg], q_smem.at[slot], True), (v_smem.at[wg], do_smem.at[slot], True)]
-                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate)
+                        # `ping_pong`: the other consumer issues its products while this one's P^T and dS^T compute
+                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate,
+                                                                   issued=schedule if ping_pong else None)
                     elif walk.split:
                         halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
                         (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
@@ -1649,8 +1661,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
                              "dk": (dst16, q_smem.at[slot], False)}
                     at = order.index("dq")
+                    before = {at: share}
+                    if ping_pong:  # this consumer's turn: the other has issued its S^T and dP^T
+                        before[0] = (lambda: (schedule(), share())) if at == 0 else schedule
                     _, out = _mma_early([accs[n] for n in order], [terms[n] for n in order], at, write, emulate,
-                                        before={at: share})
+                                        before=before)
                     dv, dk = out[order.index("dv")], out[order.index("dk")]
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv, *advance(calls, gi, blk)
@@ -1707,23 +1722,10 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 return dq_products(buf, _parts(wg), cols), cols
 
             def write_dq(dq, blk, gi, cols):
-                if dq_writer:
-                    hand_over(dq * opts.softmax_scale)
-                    return
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
                 _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
-
-            def hand_over(dq):
-                """`dq_writer`: store this visit's scaled dQ tile in the consumer's epilogue slots for the writer
-                warp, which walks the same visits and so knows its place."""
-                plgpu.barrier_wait(dq_free.at[wg])  # the writer has read the last tile
-                cols = o_smem.shape[-1]
-                for c in range(dq.shape[1] // cols):
-                    o_smem[wg, c] = dq[:, c * cols:(c + 1) * cols].astype(o_smem.dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(dq_stored.at[wg])
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
@@ -1734,7 +1736,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_bar.at[1])
+            if ping_pong:  # consumer 1 a turn behind: its products issue while consumer 0's softmax runs
+                pl.when(wg == 1)(schedule)
             dk, dv, *calls = lax.fori_loop(0, groups, head, init)
+            if ping_pong:
+                pl.when(wg == 0)(schedule)
             if lag:  # the last visit's dQ
                 prev = lax.rem(calls[0] + 1, jnp.int32(2))
                 plgpu.barrier_wait(ds_bar.at[prev])
@@ -1744,8 +1750,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 @pl.when(calls[0] > 0)
                 def _():
                     write_dq(dq, calls[1], calls[2], dq_cols)
-            if dq_writer:  # the writer has read the last tile: the epilogue may reuse its slots
-                plgpu.barrier_wait(dq_free.at[wg])
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
             dk = dk * opts.softmax_scale
@@ -1765,66 +1769,28 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
         _per_consumer(_consumer)
 
-        def write_dq_tiles(c: int):
-            """Consumer c's writer warp: per visit of the walk, wait for the consumer's dQ tile, add it into dQ by
-            TMA reduce-add, and free the consumer's slots once the adds have read them. A warp per consumer, so
-            neither waits on the other's adds."""
-            width = o_smem.shape[-1]
-            n_chunks = _DQ_COLS // width  # [64, 64] tiles: head_dim 128's half, or head_dim 64's whole
-            assert n_chunks <= o_smem.shape[1], "a dQ tile fits a consumer's epilogue slots"
-            col0 = c * _DQ_COLS if lag else 0
-            plgpu.barrier_arrive(dq_free.at[c])
-
-            @pl.loop(0, groups * span.steps)
-            def _(i):
-                gi, blk = span.visit(i)
-                rows, h = pl.ds(blk * bq, bq), kvh * groups + gi
-                plgpu.barrier_wait(dq_stored.at[c])
-                dst = dq_ref.at[cta, c, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                for j in range(n_chunks):
-                    plgpu.copy_smem_to_gmem(o_smem.at[c, j], dst.at[:, pl.ds(col0 + j * width, width)],
-                                            reduction_op=None if emulate else "add")
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                plgpu.barrier_arrive(dq_free.at[c])
-
-            plgpu.wait_smem_to_gmem(0)
-
         @pl.when(wg == 2)
         def _producer():
             plgpu.set_max_registers(_REGS["dkv"][1], action="decrease")
 
-            def loads():
-                @pl.loop(0, groups * span.steps)
-                def _(i):
-                    slot = lax.rem(i, jnp.int32(stages))
-                    gi, blk = span.visit(i)
-                    h = kvh * groups + gi
-                    rows = (b, pl.ds(blk * bq, bq), h)
-                    cols = (b, h, pl.ds(blk * bq, bq))
+            @pl.loop(0, groups * span.steps)
+            def _(i):
+                slot = lax.rem(i, jnp.int32(stages))
+                gi, blk = span.visit(i)
+                h = kvh * groups + gi
+                rows = (b, pl.ds(blk * bq, bq), h)
+                cols = (b, h, pl.ds(blk * bq, bq))
 
-                    @pl.when(i >= stages)
-                    def _():
-                        plgpu.barrier_wait(free.at[slot])
+                @pl.when(i >= stages)
+                def _():
+                    plgpu.barrier_wait(free.at[slot])
 
-                    _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
-                    plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
-                    _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
-                    plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
+                _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
+                plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
+                _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
+                plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
 
-                _drain(groups * span.steps, stages, free)
-
-            if not dq_writer:
-                loads()
-                return
-
-            # FlashAttention-3's dQ writer: the producer's first warp loads, its second and third add the two
-            # consumers' dQ tiles into global memory, so a consumer only stores its tile and goes on
-            def warps(warp):
-                pl.when(warp == 0)(loads)
-                pl.when(warp == 1)(lambda: write_dq_tiles(0))
-                pl.when(warp == 2)(lambda: write_dq_tiles(1))
-
-            plgpu.warp_map(warps)
+            _drain(groups * span.steps, stages, free)
 
     def own(write):
         write(dk_ref, dv_ref)
@@ -2047,12 +2013,12 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
     scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt)),  # dS^T [visit % 2, consumer]
                 plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
-    if config.bwd_dq_writer:  # per consumer: its dQ tile stored; read by the writer warp
-        scratch += [plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)]
+    if config.bwd_ping_pong:
+        scratch.append(plgpu.Barrier(num_arrivals=2))  # the consumers' turns
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                          walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
                          added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
-                         dq_first=config.bwd_dq_first, dq_writer=config.bwd_dq_writer)
+                         dq_first=config.bwd_dq_first, ping_pong=config.bwd_ping_pong)
     return (dq.sum((0, 1)) if parts else dq), dk, dv
