@@ -417,8 +417,7 @@ def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, 
 
 
 @needs_kernels
-@pytest.mark.parametrize("config", [SMALL, FUSED, dataclasses.replace(FUSED, bwd_ping_pong=True)],
-                         ids=["split", "fused", "fused_ping_pong"])
+@pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
 @pytest.mark.parametrize("local, kw", [(192, dict(causal=True)), (64, dict(window=(20, 30)))])
 def test_step_backward_with_an_odd_number_of_key_tiles(config, local, kw):
     """The dK/dV kernel's CTAs take two 64-key tiles: with 192 (or 64) keys the last CTA's second consumer has
@@ -426,19 +425,6 @@ def test_step_backward_with_an_odd_number_of_key_tiles(config, local, kw):
     dK/dV were never written (found by `deterministic="invariant"`'s 64-token granules in the interpreter)."""
     for head_dim in (64, 128) if config.bwd_fused else (64,):
         _check_step("contiguous", 1, 0, 0, local, "bfloat16", head_dim, 4, 2, config=config, **kw)
-
-
-@needs_kernels
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dq_first", [False, True])
-@pytest.mark.parametrize("case", [FUSED_CASES[1], FUSED_CASES[-1]], ids=["skipping", "window_segments"])
-def test_step_fused_backward_ping_pong(head_dim, dq_first, case):
-    """The fused backward's consumers taking turns (`bwd_ping_pong`): every visit, skipped ones too, passes the
-    schedule barrier twice, so the turns stay paired; the same gradients on skipped and masked walks."""
-    layout, n, shard, src, local, dtype, kw = case
-    kw, batch, segments = _with_docs(kw, local * n)
-    _check_step(layout, n, shard, src, local, dtype, head_dim, 4, 2, batch=batch, segments=segments,
-                config=dataclasses.replace(FUSED, bwd_ping_pong=True, bwd_dq_first=dq_first), **kw)
 
 
 @needs_kernels
@@ -1282,10 +1268,9 @@ def test_sink_step_lowers_for_cuda():
 
 
 @pytest.mark.skipif(ON_HOPPER, reason="lowering check is for CPU-only CI; on a GPU the kernels really run")
-@pytest.mark.parametrize("d, dv, tile_major, ping_pong", [(64, 64, False, False), (128, 128, False, False),
-                                                          (128, 64, False, False), (128, 128, True, False),
-                                                          (64, 64, False, True), (128, 128, False, True)])
-def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major, ping_pong):
+@pytest.mark.parametrize("d, dv, tile_major", [(64, 64, False), (128, 128, False), (128, 64, False),
+                                               (128, 128, True)])
+def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major):
     from ringjax.backends.pallas_mosaic_gpu.implementation import _jax_refusal
 
     if _jax_refusal():
@@ -1300,7 +1285,7 @@ def test_fused_backward_lowers_to_one_kernel_for_cuda(d, dv, tile_major, ping_po
     def f(q, k, v, do, lse, delta, seg):
         pos = jnp.arange(t, dtype=jnp.int32)
         cfg = dataclasses.replace(IMPLEMENTATION.default_config(_problem(head_dim=d, v_head_dim=dv)), bwd_fused=True,
-                                  dkv_num_stages=2, bwd_tile_major=tile_major, bwd_ping_pong=ping_pong)
+                                  dkv_num_stages=2, bwd_tile_major=tile_major)
         return block_bwd(q, k, v, do, lse, delta, TokenInfo(pos, seg), TokenInfo(pos - t, seg), extras, opts, cfg)
 
     assert _mosaic_calls_lowered_for_cuda(f, t, d, dv) == 1

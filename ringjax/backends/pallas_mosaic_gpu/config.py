@@ -66,9 +66,7 @@ class MosaicGpuConfig(KernelConfig):
     visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
     dS^T store none): faster without a causal mask, slower with one (1 H200, 2026-12-01). Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
-    with the op's `deterministic=True`. `bwd_ping_pong`: the fused backward's consumers take turns at the tensor
-    cores (a schedule barrier, as the forward's): one issues its S^T and dP^T products while the other computes
-    P^T and dS^T, then its dV, dQ and dK products while the other's S^T and dP^T run.
+    with the op's `deterministic=True`.
     `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row tile, each tile of every head before the
     next tile, instead of head by head (the forward's persistent CTAs order their work themselves); under a causal
     mask the first tiles are the heaviest, so this is the longest-first order: fwd+bwd 1.05-1.07x at 8K causal,
@@ -102,7 +100,6 @@ class MosaicGpuConfig(KernelConfig):
     pair_heads: bool = True
     bwd_fused: bool = False
     bwd_dq_first: bool = False
-    bwd_ping_pong: bool = False
     bwd_tile_major: bool = False
     bwd_reverse: bool = False
     fused: bool = False

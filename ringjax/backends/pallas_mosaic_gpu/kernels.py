@@ -540,11 +540,10 @@ def _mma(accs, terms, emulate: bool = False, between=None):
     return list(pl.run_state(body)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
 
-def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None, issued=None):
+def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None):
     """`_mma` that issues every term, then reads accumulator `early` as soon as its products (and those issued
     before them) are done and runs `then(value)` while the later ones are still in flight: FlashAttention-3's
-    overlap of a softmax or a store with the next matmuls. `before[i]()` runs just before term i is issued,
-    `issued()` once all are.
+    overlap of a softmax or a store with the next matmuls. `before[i]()` runs just before term i is issued.
     An acc is an array to add to, or a shape for a fresh zero one. Returns `then`'s result and every
     accumulator's final value; with any acc an array `then` may only act, and returns None (a value cannot
     leave `pl.run_state`)."""
@@ -557,8 +556,6 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
             if i in before:
                 before[i]()
             out += _mma([_zeros(acc) if isinstance(acc, tuple) else acc], [parts], emulate)
-        if issued is not None:
-            issued()
         return then(out[early]), out
     later = sum(len(parts) for parts in terms[early + 1:])  # wgmma groups still in flight when it is read
 
@@ -569,8 +566,6 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
             for a, b, tb in parts:
                 a = a.ref.transpose((1, 0)) if isinstance(a, _T) else a
                 plgpu.wgmma(ref, a, b.transpose((1, 0)) if tb else b)
-        if issued is not None:
-            issued()
         got = then(plgpu.wgmma_accumulator_load(refs[early], wait_n=later))
         if fresh:
             return got, [ref[...] for ref in refs]
@@ -581,13 +576,6 @@ def _mma_early(accs, terms, early: int, then, emulate: bool = False, before=None
     out = pl.run_state(lambda refs: body(*refs))(
         tuple(plgpu.ACC.init(_zeros(a) if isinstance(a, tuple) else a) for a in accs))
     return None, list(out)
-
-
-def _meet(barrier):
-    """Both consumers reach this point before either goes on (a barrier of two arrivals): called one turn apart,
-    it makes them take turns (FlashAttention-3's ping-pong)."""
-    plgpu.barrier_arrive(barrier)
-    plgpu.barrier_wait(barrier)
 
 
 def _interpret(config: MosaicGpuConfig) -> dict:
@@ -810,7 +798,9 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     of_step, sub_steps = functools.partial(_of_step, ring), functools.partial(_sub_steps, ring)
     base0 = 0 if persist is None else jnp.int32(0)
 
-    schedule = functools.partial(_meet, sched)
+    def schedule():
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
 
     def cta(where, j=0):
         return _row_tiles_of_cta(walk, of_step(rng_ref, j), has_seg, first_row, where)
@@ -1475,7 +1465,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
 
 
 def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bool, with_dq: bool = False,
-                dq_first: bool = False, ping_pong: bool = False, ring: _Ring | None = None):
+                dq_first: bool = False, ring: _Ring | None = None):
     r = _Refs(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, rng_ref, qstart_ref, kstart_ref = r.take(9)
     qseg_ref, kseg_ref = r.take(2, has_seg)
@@ -1494,8 +1484,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     stored, read = r.take(2, walk.split)
     if walk.split:
         (pt_smem, dst_smem), o_smem = o_smem
-    # `ping_pong` (fused): the consumers take turns at the tensor cores, as the forward's do
-    sched = r.take(1, ping_pong)
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bq // 2  # split: the queries of a block whose scores each consumer computes
@@ -1513,8 +1501,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
         j = lax.rem(ring.local + lax.div(kvh, jnp.int32(kv_heads)), jnp.int32(ring.steps))
         kvh, cta = lax.rem(kvh, jnp.int32(kv_heads)), cta - ring.copy_rows
         rng_ref, kstart_ref, kseg_ref = (_of_step(ring, x, j) for x in (rng_ref, kstart_ref, kseg_ref))
-
-    schedule = functools.partial(_meet, sched)
 
     def key_tiles(kv_src, store):
         """Key tiles of CTA `cta`, KV head `kvh`: K/V tiles read from the refs `kv_src()` gives; `store(write)`
@@ -1561,9 +1547,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_wait(delta_bar.at[slot])
                     if kind == "skip":
-                        if ping_pong:  # a visit's two turns, so that the turns stay paired
-                            schedule()
-                            schedule()
                         plgpu.barrier_arrive(free.at[slot])
                         # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
                         # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
@@ -1604,9 +1587,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     if with_dq:
                         # FlashAttention-3's order: dP^T is issued with S^T and computes while P^T does
                         terms = [(k_smem.at[wg], q_smem.at[slot], True), (v_smem.at[wg], do_smem.at[slot], True)]
-                        # `ping_pong`: the other consumer issues its products while this one's P^T and dS^T compute
-                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate,
-                                                                   issued=schedule if ping_pong else None)
+                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate)
                     elif walk.split:
                         halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
                         (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
@@ -1661,11 +1642,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
                              "dk": (dst16, q_smem.at[slot], False)}
                     at = order.index("dq")
-                    before = {at: share}
-                    if ping_pong:  # this consumer's turn: the other has issued its S^T and dP^T
-                        before[0] = (lambda: (schedule(), share())) if at == 0 else schedule
                     _, out = _mma_early([accs[n] for n in order], [terms[n] for n in order], at, write, emulate,
-                                        before=before)
+                                        before={at: share})
                     dv, dk = out[order.index("dv")], out[order.index("dk")]
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv, *advance(calls, gi, blk)
@@ -1736,11 +1714,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_bar.at[1])
-            if ping_pong:  # consumer 1 a turn behind: its products issue while consumer 0's softmax runs
-                pl.when(wg == 1)(schedule)
             dk, dv, *calls = lax.fori_loop(0, groups, head, init)
-            if ping_pong:
-                pl.when(wg == 0)(schedule)
             if lag:  # the last visit's dQ
                 prev = lax.rem(calls[0] + 1, jnp.int32(2))
                 plgpu.barrier_wait(ds_bar.at[prev])
@@ -2013,12 +1987,10 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
     scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt)),  # dS^T [visit % 2, consumer]
                 plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
-    if config.bwd_ping_pong:
-        scratch.append(plgpu.Barrier(num_arrivals=2))  # the consumers' turns
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                          walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
                          added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
-                         dq_first=config.bwd_dq_first, ping_pong=config.bwd_ping_pong)
+                         dq_first=config.bwd_dq_first)
     return (dq.sum((0, 1)) if parts else dq), dk, dv
