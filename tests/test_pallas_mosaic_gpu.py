@@ -79,6 +79,21 @@ def _step_reference(q, k, v, do, mask, scale, cap, dist=None, slopes=None, keep=
     return out
 
 
+def _modifiers(rng, alibi: bool, rate: float, batch: int, heads: int, total: int, qpos, kpos):
+    """(the float64 reference's ALiBi and dropout arguments, the kernels' `Extras`) for queries at `qpos` and
+    keys at `kpos` of a `total`-token sequence: random slopes, a fixed dropout seed."""
+    mods, extras = {}, Extras()
+    if alibi:
+        slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
+        mods.update(dist=np.abs(qpos[:, None] - kpos[None, :]).astype(np.float64), slopes=slopes)
+        extras = extras._replace(alibi_slopes=jnp.asarray(slopes))
+    if rate:
+        seed = np.array([12345, 678], np.uint32)
+        mods.update(keep=dropout_keep_reference(seed, rate, batch, heads, total)[:, :, qpos][:, :, :, kpos], rate=rate)
+        extras = extras._replace(dropout_seed=jnp.asarray(seed))
+    return mods, extras
+
+
 def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, batch=1, segments=None,
                 config=SMALL, alibi=False, dropout_rate=0.0, gather=False, subshards=1, v_head_dim=None,
                 sink_step=False, final=False, backward=True, **kw):
@@ -115,16 +130,7 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
                             dropout_rate=dropout_rate, gather_kv=gather, subshards=subshards, **kw)
     if sink_step:
         opts = StepOptions.sink_step(opts)
-    mods, extras = {}, Extras()
-    if alibi:
-        slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
-        mods.update(dist=np.abs(qpos[:, None] - kpos[None, :]).astype(np.float64), slopes=slopes)
-        extras = extras._replace(alibi_slopes=jnp.asarray(slopes))
-    if dropout_rate:
-        seed = np.array([12345, 678], np.uint32)
-        keep = dropout_keep_reference(seed, dropout_rate, batch, heads, total)[:, :, qpos][:, :, :, kpos]
-        mods.update(keep=keep, rate=dropout_rate)
-        extras = extras._replace(dropout_seed=jnp.asarray(seed))
+    mods, extras = _modifiers(rng, alibi, dropout_rate, batch, heads, total, qpos, kpos)
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
     # a token's offset in its document (what sink tokens read): without segments its position
     offsets = np.arange(total)[None] if seg is None else _offsets(seg)
@@ -255,15 +261,7 @@ def test_few_keys_grads_match_the_reference(kw, block_diagonal):
     rule = functools.partial(mask_reference, total, causal=True, window=kw["window"])
     mask = (rule(num_sink_tokens=sinks) & ~rule())[:, qpos][:, :, kpos]
     opts = StepOptions.sink_step(AttentionOptions(causal=True, has_alibi=alibi, softmax_scale=0.2, **kw))
-    mods, extras = {}, Extras()
-    if alibi:
-        slopes = rng.uniform(0.01, 0.3, heads).astype(np.float32)
-        mods.update(dist=np.abs(qpos[:, None] - kpos[None, :]).astype(np.float64), slopes=slopes)
-        extras = extras._replace(alibi_slopes=jnp.asarray(slopes))
-    if rate:
-        seed = np.array([12345, 678], np.uint32)
-        mods.update(keep=dropout_keep_reference(seed, rate, 2, heads, total)[:, :, qpos][:, :, :, kpos], rate=rate)
-        extras = extras._replace(dropout_seed=jnp.asarray(seed))
+    mods, extras = _modifiers(rng, alibi, rate, 2, heads, total, qpos, kpos)
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
     qi, ki = TokenInfo(jnp.asarray(qpos), None, jnp.asarray(qpos)[None]), TokenInfo.first(sinks)
     dk, dv = jax.jit(functools.partial(few_keys_grads, opts=opts, block_diagonal=block_diagonal))(
