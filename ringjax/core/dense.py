@@ -79,7 +79,7 @@ def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenIn
     Q and dO are read in their own [B, T, H, D] layout, as [T, H D] matrices: the S keys of every head are one
     block-diagonal [H D, H S] matrix, so the logits, dP, dK and dV are four plain matrix products whose batch is
     B alone, and dK, dV the diagonal blocks of theirs. Grouped by KV head instead ([B, KVH, G, T, D]), XLA
-    copied Q and dO to that layout first, twice the bytes (0.9 ms at 32K tokens, 32 heads, one H100). Where
+    copied Q and dO to that layout first: 0.81 ms against 0.45 at 32K tokens, 32 heads, one H100. Where
     H S exceeds `BLOCK_DIAGONAL_MAX` (or `block_diagonal=False`) the products waste more than they save, and
     the grouped layout runs."""
     b, t, h, _ = q.shape
