@@ -450,15 +450,15 @@ def test_step_backward_reverse(config, case):
 
 
 @pytest.mark.parametrize("head_dim, seq, kw, fused, dq_first, tile_major, reverse", [
-    (128, 8192, dict(causal=True), False, False, True, False),
+    (128, 8192, dict(causal=True), True, True, True, False),
     (128, 4096, dict(causal=True), False, False, True, False),
-    (128, 16384, dict(causal=True), True, False, False, True),
+    (128, 16384, dict(causal=True), True, True, False, True),
     (128, 32768, dict(causal=True, has_segments=True), False, False, False, False),
     (128, 8192, dict(), True, True, False, False),
     (128, 2048, dict(), True, True, False, False),
     (128, 1024, dict(), False, False, False, False),
     (128, 1024, dict(logits_soft_cap=30.0), True, True, False, False),
-    (128, 8192, dict(causal=True, dropout_rate=0.1), True, False, True, False),
+    (128, 8192, dict(causal=True, dropout_rate=0.1), True, True, True, False),
     (128, 8192, dict(causal=True, window=(1024, 0)), False, False, False, False),
     (64, 8192, dict(causal=True), True, False, True, False),
     (64, 32768, dict(causal=True), True, False, False, False),
@@ -469,8 +469,8 @@ def test_step_backward_reverse(config, case):
 def test_heuristic_backward_follows_length_and_head_dim(head_dim, seq, kw, fused, dq_first, tile_major, reverse):
     """The heuristic's backward (what `auto` runs without a tuned entry): causal shards up to 8K in tile-major
     order at head_dims up to 128, longer ones with the dK/dV kernel's query blocks last first above head_dim 64;
-    at head_dim 128 the fused backward where the mask skips only causal blocks, but on short causal shards, where
-    the split kernels are as fast, and below 2K tokens; dQ first where not causal."""
+    at head_dim 128 the fused backward with dQ first where the mask skips only causal blocks, but on causal shards
+    below 8K, where the split kernels were as fast, and below 2K tokens."""
     config = IMPLEMENTATION.default_config(_problem(head_dim=head_dim, seq=seq, opts=AttentionOptions(**kw)))
     assert ((config.bwd_fused, config.bwd_dq_first, config.bwd_tile_major, config.bwd_reverse)
             == (fused, dq_first, tile_major, reverse))

@@ -64,7 +64,8 @@ class MosaicGpuConfig(KernelConfig):
     its dS^T tiles beside `dkv_num_stages` stages: `split_bwd_reason`) the two kernels do, and the
     "ringjax.implementation" report says which ran and why. `bwd_dq_first`: the fused backward issues each
     visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
-    dS^T store none): faster without a causal mask, slower with one (1 H200, 2026-12-01). Its dQ
+    dS^T store none): faster without a causal mask (1 H200, 2026-12-01), and with one since the dQ write became one
+    commit a visit (1 H100, 2026-12-06); the heuristic sets it at head_dim 128. Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
     with the op's `deterministic=True`.
     `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row tile, each tile of every head before the

@@ -262,7 +262,9 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
                                  persistent=may_skip(problem.opts))
     else:
         config = MosaicGpuConfig()
-        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True, bwd_dq_first=not problem.opts.causal)
+        # dQ first under a causal mask too since its write became one commit a visit: 32K causal backward 528.8
+        # against 520.1 TFLOP/s, 8K within 1% (1 H100, jax 0.11.2, 2026-12-06, checks/..._step_causal_dq_order)
+        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True, bwd_dq_first=True)
         if _fuses_backward(problem) and fused_bwd.split_bwd_reason(problem.opts, *problem.head_dims,
                                                                    problem.itemsize) is None:
             config = fused_bwd
@@ -296,9 +298,10 @@ FUSED_MIN_SEQ = 2048
 
 def _fuses_backward(problem: Problem) -> bool:
     """Whether a head_dim-128 call's heuristic backward is the fused one: where its mask skips no block but the
-    causal ones and no sink tokens are visited, unless it is a causal shard of at most `TILE_MAJOR_SEQ`, where the
-    split kernels in tile-major order are as fast, or shorter than `FUSED_MIN_SEQ`. fwd+bwd ms split / fused
-    (1 H200, jax 0.11.2, 2026-12-02,
+    causal ones and no sink tokens are visited, unless it is a causal shard shorter than `TILE_MAJOR_SEQ`, where the
+    split kernels in tile-major order were as fast, or shorter than `FUSED_MIN_SEQ`. At 8K causal, since the
+    fused dQ write is one commit a visit, fused over split backward 460.4 / 445.7 TFLOP/s (1 H100, jax 0.11.2,
+    2026-12-06, checks/..._step_causal_dq_order). Before it, fwd+bwd ms split / fused (1 H200, jax 0.11.2, 2026-12-02,
     checks/nvidia-h200_2026-12-02_step_tile_major and _step_fused_not_causal): causal 4K 1.03-1.07 / 1.06-1.08,
     8K 3.95-4.03 / 3.99-4.00, 16K (head by head) 15.65-15.69 / 14.95-14.97; not causal (dQ first) 4K 1.82-1.96 /
     1.83-1.84, 16K 30.8-30.9 / 28.4-28.5. Dropout's hash and the soft cap's tanh fuse at every length: the split
@@ -309,7 +312,7 @@ def _fuses_backward(problem: Problem) -> bool:
     if problem.head_dims != (128, 128) or not _skips_causal_only(opts):
         return False
     heavy = opts.dropout_rate > 0 or opts.logits_soft_cap is not None
-    return heavy or (problem.seq >= FUSED_MIN_SEQ and (not opts.causal or problem.seq > TILE_MAJOR_SEQ))
+    return heavy or (problem.seq >= FUSED_MIN_SEQ and (not opts.causal or problem.seq >= TILE_MAJOR_SEQ))
 
 
 def _skips_causal_only(opts) -> bool:

@@ -422,16 +422,23 @@ def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
     columns via the SMEM slots of `_epilogue_smem`; returns the chunk count to pass as `first` to the next
     call, so slots keep alternating (a copy still reading a slot is never overwritten, whatever D). A `dst`
     of fewer rows (a multiple of 8) takes the tile's first rows. `add`: TMA reduce-add into `dst` instead of
-    overwriting it."""
+    overwriting it. Where the slots hold every chunk, all are stored before one commit: each commit is a
+    fence and warpgroup barriers, which the fused backward's per-visit dQ paid twice (docs/performance.md)."""
     (rows, _), (d, slots, cols) = dst.shape, (acc.shape[1], smem.shape[1], smem.shape[-1])
-    for c in range(d // cols):
-        slot = (first + c) % slots
-        plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)  # the slot's previous copy has read it
-        smem[wg, slot] = acc[:, c * cols:(c + 1) * cols].astype(smem.dtype)
+    n = d // cols
+    group = n if n <= slots else 1
+    for c0 in range(0, n, group):
+        chunks = [(c, (first + c) % slots) for c in range(c0, c0 + group)]
+        # the previous copies out of these slots have read them: copies are numbered across calls by `first`,
+        # so the last use of a slot was `slots` copies before this one
+        plgpu.wait_smem_to_gmem(slots - group, wait_read_only=True)
+        for c, slot in chunks:
+            smem[wg, slot] = acc[:, c * cols:(c + 1) * cols].astype(smem.dtype)
         plgpu.commit_smem()
-        src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
-        plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * cols, cols)], reduction_op="add" if add else None)
-    return first + d // cols
+        for c, slot in chunks:
+            src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
+            plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * cols, cols)], reduction_op="add" if add else None)
+    return first + n
 
 
 def _drain(steps, stages: int, *free):
@@ -1476,8 +1483,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     k_recv, v_recv, dk_recv, dv_recv = r.take(4, ring is not None)
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(7)
     kseg_smem, qseg_smem = r.take(2, has_seg)
-    kv_bar, q_bar, do_bar, lse_bar, delta_bar, free = r.take(6)
+    # a visit's q and lse landed; its dO and delta (two waits a visit, not four: each barrier waited on costs the
+    # consumers a phase word, which ptxas keeps in local memory at this register pressure)
+    kv_bar, q_bar, do_bar, free = r.take(4)
     seg_bar = r.take(1, has_seg)
+    staged = r.take(2, ring is not None)  # the fused ring's copy CTAs: K and V staged through q and dO's slots
     ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
@@ -1543,9 +1553,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     dk, dv, *calls = carry  # fused: the count of blocks whose dQ was added, whose parity picks a buffer
                     slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                     plgpu.barrier_wait(q_bar.at[slot])
-                    plgpu.barrier_wait(lse_bar.at[slot])
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    plgpu.barrier_wait(delta_bar.at[slot])
+                    if with_dq or kind == "skip":  # the fused backward issues dP^T with S^T
+                        plgpu.barrier_wait(do_bar.at[slot])
                     if kind == "skip":
                         plgpu.barrier_arrive(free.at[slot])
                         # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
@@ -1592,18 +1601,23 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
                         (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
                         pt, pt16, keep, t = probs(st)
+                        plgpu.barrier_wait(do_bar.at[slot])
                         (dpt,) = _mma([_zeros((ROWS, cols))],
                                       [[(v_smem.at[j], do_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]],
                                       emulate)
                     else:
                         st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
                         pt, pt16, keep, t = probs(st)
+                        plgpu.barrier_wait(do_bar.at[slot])
                         terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
                         dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
                     if keep is not None:
                         dpt = jnp.where(keep, dpt * _keep_scale(opts), 0.0)
-                    delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0))
-                    dst = pt * (dpt - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                    # dS^T carries the softmax scale (one multiply-add per score where a subtract was): dK and
+                    # the fused backward's per-visit dQ then need no scaling of their own
+                    scale = opts.softmax_scale
+                    delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0)) * scale
+                    dst = pt * (dpt * scale - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if t is not None:
                         dst = dst * cap_slope(t)
                     if with_dq and spare is not None:  # the spare consumer's dS^T must add nothing to dQ
@@ -1703,7 +1717,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
                 dst_ref = dq_ref.at[cta, wg, b, rows, h] if emulate else dq_ref.at[b, rows, h]
-                _write_rows(dq * opts.softmax_scale, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
+                _write_rows(dq, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
@@ -1726,7 +1740,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     write_dq(dq, calls[1], calls[2], dq_cols)
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
-            dk = dk * opts.softmax_scale
 
             def write(dk_out, dv_out):
                 def rows():
@@ -1760,9 +1773,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     plgpu.barrier_wait(free.at[slot])
 
                 _load(q_ref, rows, q_smem.at[slot], q_bar.at[slot], walk.split)
-                plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], lse_bar.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[cols], lse_smem.at[slot], q_bar.at[slot])
                 _load(do_ref, rows, do_smem.at[slot], do_bar.at[slot], walk.split)
-                plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], delta_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[cols], delta_smem.at[slot], do_bar.at[slot])
 
             _drain(groups * span.steps, stages, free)
 
@@ -1803,7 +1816,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     @pl.when(copy_row & (lax.axis_index("h") == 0) & (wg == 2))
     def _():
-        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (q_smem, do_smem), (q_bar, do_bar), sem, cid)
+        _send_kv(ring, (k_ref, v_ref), (k_recv, v_recv), (q_smem, do_smem), staged, sem, cid)
 
         # this device's kernel ends only once every partial of its K/V has landed: XLA sums them next
         @pl.when((lax.axis_index("k") == 0) & (b == 0))
@@ -1965,12 +1978,13 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                vec, vec, epilogue]  # lse, delta; dK and dV leave through the epilogue's slots
     if has_seg:  # split: each consumer reads its half of a block's query segments
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq // 2 if split else bq), jnp.int32)]
-    loaded = plgpu.Barrier(num_arrivals=2 if split else 1, num_barriers=walk.stages)  # one TMA copy per part
-    scratch += [plgpu.Barrier(num_barriers=4), loaded, loaded,  # K/V tiles; q, dO
-                plgpu.Barrier(num_barriers=walk.stages), plgpu.Barrier(num_barriers=walk.stages),  # lse, delta
-                plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
+    # K/V tiles; a visit's q and lse, its dO and delta (a TMA copy per part of q and dO); its slot consumed
+    loaded = plgpu.Barrier(num_arrivals=(2 if split else 1) + 1, num_barriers=walk.stages)
+    scratch += [plgpu.Barrier(num_barriers=4), loaded, loaded, plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
+    if ring is not None:
+        scratch += [plgpu.Barrier(num_barriers=walk.stages)] * 2
     if split:  # both consumers stored their P^T and dS^T; both have read them
         scratch += [plgpu.Barrier(num_arrivals=2, num_barriers=1), plgpu.Barrier(num_arrivals=2, num_barriers=1)]
     kv_structs = [_compat.struct_like(x.shape, out_dtype, args[0]) for x in (k, v)]
