@@ -41,6 +41,12 @@ def supports_fused_bwd(head_dim: int, v_head_dim: int) -> bool:
     return not split_head_dim(head_dim, v_head_dim)
 
 
+def dq_k_copy(head_dim: int, itemsize: int = 2) -> bool:
+    """Whether the fused backward keeps a second, narrower-swizzled copy of its K tiles for dQ: where half the
+    head_dim (each consumer's columns of dQ) is narrower than a 128-byte swizzled row (head_dim 64)."""
+    return head_dim // 2 * itemsize < 128
+
+
 def sinks_apart(opts) -> bool:
     """Whether the split backward's dK/dV kernel leaves the sink tokens to a dense product in XLA
     (`kernels._sink_key_grads`): where a window or chunks hide some of their pairs (else the base rule shows
@@ -133,9 +139,11 @@ class MosaicGpuConfig(KernelConfig):
     def fused_bwd_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
                         v_head_dim: int | None = None) -> int:
         """Shared memory of the fused backward (`bwd_fused`): the dK/dV kernel's, plus its dS^T tiles per
-        consumer and call parity and the 1 KiB alignment a swizzled buffer may need."""
+        consumer and call parity, the K tiles' copy for dQ (`dq_k_copy`) and the 1 KiB alignment a swizzled
+        buffer may need."""
         dkv = self.smem_bytes(head_dim, itemsize, segments, v_head_dim)["dkv"]
-        return dkv + 4 * ROWS * self.dkv_block_q * itemsize + 1024
+        k_copy = 2 * ROWS * head_dim * itemsize if dq_k_copy(head_dim, itemsize) else 0
+        return dkv + 4 * ROWS * self.dkv_block_q * itemsize + k_copy + 1024
 
     def split_bwd_reason(self, opts, head_dim: int, v_head_dim: int, itemsize: int = 2) -> str | None:
         """Why a step's backward with `bwd_fused` runs the dQ and dK/dV kernels instead of the fused one, or None

@@ -52,6 +52,7 @@ from ringjax import _compat
 from ringjax.backends.pallas_mosaic_gpu.config import (
     ROWS,
     MosaicGpuConfig,
+    dq_k_copy,
     epilogue_slots,
     sinks_apart,
     split_head_dim,
@@ -85,7 +86,6 @@ from ringjax.core.visits import block_starts, on_device, range_table, sink_range
 from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
-_DQ_COLS = 64  # dQ columns per matmul in the fused backward: one 128-byte swizzled row of a bf16 K tile
 # per-thread registers after setmaxnreg: the consumers take what the producer gives up (a block of 384
 # threads starts with 168 each); the dK/dV consumer holds two accumulators and gets the most
 _REGS = {"fwd": (232, 40), "dq": (232, 40), "dkv": (240, 24)}
@@ -1489,6 +1489,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     seg_bar = r.take(1, has_seg)
     staged = r.take(2, ring is not None)  # the fused ring's copy CTAs: K and V staged through q and dO's slots
     ds_smem, ds_bar = r.take(2, with_dq)  # [visit % 2, consumer] dS^T tiles (lhs of dQ = dS K); both stored
+    # head_dim 64: the K tiles again, 64-byte swizzled, so that a consumer's half of the columns (32, 64 bytes) is
+    # whole swizzled rows, as wgmma wants its operands
+    kdq_smem = r.take(1, with_dq and dq_k_copy(q_ref.shape[-1], jnp.dtype(q_ref.dtype).itemsize))
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
     stored, read = r.take(2, walk.split)
@@ -1497,10 +1500,12 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bq // 2  # split: the queries of a block whose scores each consumer computes
-    # fused, head_dim 128: the dQ product of a visit sums both consumers' dS^T, and is issued a visit late (with
-    # the next visit's dK), so a consumer waits for the other's dS^T of the visit before its own, and the two may
-    # drift a visit apart instead of meeting every visit: 2-7% faster backward on 1 H200 (docs/performance.md)
-    lag = with_dq and d != _DQ_COLS
+    # fused: the dQ product of a visit sums both consumers' dS^T, each consumer half of its columns, and is issued
+    # a visit late (with the next visit's dK), so a consumer waits for the other's dS^T of the visit before its
+    # own, and the two may drift a visit apart instead of meeting every visit: 2-7% faster backward at head_dim
+    # 128 on 1 H200 (docs/performance.md); at 64 half the reduce-adds of each consumer adding its own keys' share
+    dq_cols = d // 2
+    kdq = kdq_smem if kdq_smem is not None else k_smem
     b = lax.axis_index("b")
     wg = lax.axis_index("wg")
     kvh, cta = lax.axis_index("h"), lax.axis_index("k")
@@ -1541,9 +1546,12 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             k_in, v_in = kv_src()
             plgpu.copy_gmem_to_smem(k_in.at[mine], k_smem.at[wg], kv_bar.at[wg])
             plgpu.copy_gmem_to_smem(v_in.at[mine_v], v_smem.at[wg], kv_bar.at[2 + wg])
+            if kdq_smem is not None:
+                plgpu.copy_gmem_to_smem(k_in.at[mine], kdq_smem.at[wg], kv_bar.at[4 + wg])
             kseg = _segments(kseg_ref, kseg_smem, seg_bar, b, tile, ROWS, wg, 1)
             # split: both halves of the shared tiles; fused: both consumers' K tiles (dQ reads them all)
-            for i in range(4) if walk.split else ((0, 1, 2 + wg) if with_dq else (wg, 2 + wg)):
+            waits = (wg, 2 + wg) + ((4, 5) if kdq_smem is not None else (1 - wg,) if with_dq else ())
+            for i in range(4) if walk.split else waits:
                 plgpu.barrier_wait(kv_bar.at[i])
 
             def head(gi, carry):
@@ -1558,8 +1566,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     if kind == "skip":
                         plgpu.barrier_arrive(free.at[slot])
                         # fused: the other consumer's keys may see the block, and its half of dQ needs this tile's
-                        # dS^T, zeros (at head_dim 64 each consumer adds only its own keys' share: nothing to do)
-                        if with_dq and d != _DQ_COLS:
+                        # dS^T, zeros
+                        if with_dq:
                             seen = (blk >= other[2]) & (blk < other[5])
 
                             @pl.when(seen)
@@ -1567,7 +1575,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                 zeros = jnp.zeros((ROWS, bq), q_ref.dtype)
                                 share, terms, write = block_dq_parts(calls, gi, blk, zeros)
                                 share()
-                                write(_mma([_zeros((bq, _DQ_COLS))], [terms], emulate)[0])
+                                write(_mma([_zeros((bq, dq_cols))], [terms], emulate)[0])
 
                             return dk, dv, *advance(calls, gi, blk, seen)
                         return carry
@@ -1652,7 +1660,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     # and add overlap both dV and dK (config.bwd_dq_first)
                     share, dq_terms, write = block_dq_parts(calls, gi, blk, dst16)
                     order = ("dq", "dv", "dk") if dq_first else ("dv", "dq", "dk")
-                    accs = {"dv": dv, "dq": (bq, _DQ_COLS), "dk": dk}
+                    accs = {"dv": dv, "dq": (bq, dq_cols), "dk": dk}
                     terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
                              "dk": (dst16, q_smem.at[slot], False)}
                     at = order.index("dq")
@@ -1664,54 +1672,42 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                 def block_dq_parts(calls, gi, blk, dst16):
                     """For dQ over the CTA's 128 keys, added into global memory: `share()` stores this consumer's
-                    dS^T of query block `blk`; dQ's wgmma terms; `write(dq)`. Head_dim 128 (`lag`): consumer wg
-                    takes half wg of the columns over both consumers' dS^T of the previous visit (`calls` =
-                    (visits, its block, its head)). Head_dim 64: its own 64 keys' share of all 64 columns of this
-                    visit (a half would be narrower than a swizzled row), no other consumer's tile."""
+                    dS^T of query block `blk`; dQ's wgmma terms; `write(dq)`. Consumer wg takes half wg of the
+                    columns over both consumers' dS^T of the previous visit (`calls` = (visits, its block, its
+                    head))."""
                     buf = calls[0] % 2
-                    if lag:
-                        prev = 1 - buf
-                        terms, cols = lagged_products(prev)
-
-                        def share():
-                            # both stored dS^T of the previous visit, and the other has read our tile of the
-                            # one before it (its dQ), which this store overwrites
-                            plgpu.barrier_wait(ds_bar.at[prev])
-                            ds_smem.at[buf, wg][...] = dst16
-                            plgpu.commit_smem()
-
-                        def write(dq):  # dQ's product has read both tiles of the previous visit
-                            plgpu.barrier_arrive(ds_bar.at[buf])
-
-                            @pl.when(calls[0] > 0)
-                            def _():
-                                write_dq(dq, calls[1], calls[2], cols)
-
-                        return share, terms, write
+                    prev = 1 - buf
+                    terms, cols = lagged_products(prev)
 
                     def share():
+                        # both stored dS^T of the previous visit, and the other has read our tile of the one before
+                        # it (its dQ), which this store overwrites
+                        plgpu.barrier_wait(ds_bar.at[prev])
                         ds_smem.at[buf, wg][...] = dst16
                         plgpu.commit_smem()
 
-                    cols = pl.ds(0, d)
-                    return share, dq_products(buf, [wg], cols), lambda dq: write_dq(dq, blk, gi, cols)
+                    def write(dq):  # dQ's product has read both tiles of the previous visit
+                        plgpu.barrier_arrive(ds_bar.at[buf])
+
+                        @pl.when(calls[0] > 0)
+                        def _():
+                            write_dq(dq, calls[1], calls[2], cols)
+
+                    return share, terms, write
 
                 return _walk_tile(span, my, step, carry, walk)
 
             def advance(calls, gi, blk, seen=True):
-                """The fused backward's carry after a visit that stored dS^T (`seen`): its count, and with `lag`
-                the visit whose dQ is still to be computed."""
+                """The fused backward's carry after a visit that stored dS^T (`seen`): its count, and the visit
+                whose dQ is still to be computed."""
                 seen = jnp.asarray(seen)
                 n = (calls[0] + seen.astype(jnp.int32),)
-                return n + (jnp.where(seen, blk, calls[1]), jnp.where(seen, gi, calls[2])) if lag else n
-
-            def dq_products(buf, tiles, cols):
-                return [(_T(ds_smem.at[buf, j]), k_smem.at[j].at[:, cols], False) for j in tiles]
+                return n + (jnp.where(seen, blk, calls[1]), jnp.where(seen, gi, calls[2]))
 
             def lagged_products(buf):
-                """Head_dim 128: consumer wg's half of the columns of dQ over both consumers' dS^T in `buf`."""
-                cols = pl.ds(pl.multiple_of(wg * _DQ_COLS, _DQ_COLS), _DQ_COLS)
-                return dq_products(buf, _parts(wg), cols), cols
+                """Consumer wg's half of the columns of dQ over both consumers' dS^T in `buf`."""
+                cols = pl.ds(pl.multiple_of(wg * dq_cols, dq_cols), dq_cols)
+                return [(_T(ds_smem.at[buf, j]), kdq.at[j].at[:, cols], False) for j in _parts(wg)], cols
 
             def write_dq(dq, blk, gi, cols):
                 rows = pl.ds(blk * bq, bq)
@@ -1723,21 +1719,21 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
             if walk.split:  # nothing to read yet: the first block may store its tiles
                 plgpu.barrier_arrive(read.at[0])
-            if lag:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
+            if with_dq:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
                 init += (jnp.int32(0), jnp.int32(0))
                 ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_bar.at[1])
             dk, dv, *calls = lax.fori_loop(0, groups, head, init)
-            if lag:  # the last visit's dQ
+            if with_dq:  # the last visit's dQ
                 prev = lax.rem(calls[0] + 1, jnp.int32(2))
                 plgpu.barrier_wait(ds_bar.at[prev])
-                terms, dq_cols = lagged_products(prev)
-                (dq,) = _mma([_zeros((bq, _DQ_COLS))], [terms], emulate)
+                terms, last_cols = lagged_products(prev)
+                (dq,) = _mma([_zeros((bq, dq_cols))], [terms], emulate)
 
                 @pl.when(calls[0] > 0)
                 def _():
-                    write_dq(dq, calls[1], calls[2], dq_cols)
+                    write_dq(dq, calls[1], calls[2], last_cols)
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
 
@@ -1980,7 +1976,9 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
         scratch += [plgpu.SMEM((2, ROWS), jnp.int32), plgpu.SMEM((2, bq // 2 if split else bq), jnp.int32)]
     # K/V tiles; a visit's q and lse, its dO and delta (a TMA copy per part of q and dO); its slot consumed
     loaded = plgpu.Barrier(num_arrivals=(2 if split else 1) + 1, num_barriers=walk.stages)
-    scratch += [plgpu.Barrier(num_barriers=4), loaded, loaded, plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
+    k_copy = with_dq and dq_k_copy(d, jnp.dtype(dt).itemsize)  # and (fused, head_dim 64) K's copy for dQ
+    scratch += [plgpu.Barrier(num_barriers=6 if k_copy else 4), loaded, loaded,
+                plgpu.Barrier(num_arrivals=2, num_barriers=walk.stages)]
     if has_seg:
         scratch.append(plgpu.Barrier(num_barriers=2))
     if ring is not None:
@@ -1999,8 +1997,12 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     if not with_dq:
         return _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
                        walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config)
-    scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt)),  # dS^T [visit % 2, consumer]
+    # dS^T [visit % 2, consumer], swizzled as K's copy for dQ where there is one (wgmma wants its operands alike)
+    ds_swizzle = 64 if k_copy else 128
+    scratch += [plgpu.SMEM((2, 2, ROWS, bq), dt, transforms=_transforms(bq, dt, ds_swizzle)),
                 plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
+    if k_copy:
+        scratch.append(plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d // 2, dt)))
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
