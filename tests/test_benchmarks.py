@@ -421,6 +421,35 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
     assert span == pytest.approx((200 * (n - 1) + 125) / n)
 
 
+def test_ncu_summary_reads_segments_and_stalls(tmp_path, capsys):
+    """benchmarks/ncu_kernel.py summary: details metrics, stall shares, and runs of equally executed instructions."""
+    import csv
+    import gzip
+
+    spec = importlib.util.spec_from_file_location("ncu_kernel", ROOT / "benchmarks" / "ncu_kernel.py")
+    ncu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu)
+    with open(tmp_path / "k_details.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Section Name", "Metric Name", "Metric Unit", "Metric Value"])
+        w.writerow(["Memory", "Local Memory Spilling Requests", "", "1,234"])
+        w.writerow(["Memory", "L2 Hit Rate", "%", "98"])
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_wait", "stall_wait (Not Issued)"]
+    body = [["0", "LDL R4, [R1]", "30", "100", "30", "0", "7"],  # a loop body of two, 40% of the samples
+            ["1", "@P0 HGMMA.64x128x16 R8", "10", "100", "0", "10", "1"],
+            ["2", "BRA 0x10", "60", "5", "0", "60", "2"]]
+    with gzip.open(tmp_path / "k_sass.csv.gz", "wt", newline="") as f:
+        f.write('"Kernel Name","k",\n')
+        csv.writer(f).writerows([head, *body])
+    assert ncu.main(["summary", str(tmp_path / "k"), "--min-share", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "Local Memory Spilling Requests: 1,234" in out and "L2 Hit Rate" not in out
+    assert "wait 70.0%" in out and "long_sb 30.0%" in out
+    assert "    2-    3  executed           5   60.0%  BRA 1" in out  # the 40% segment is under --min-share
+    assert "LDL" not in out.split("segments")[1]
+
+
 @pytest.mark.parametrize("flag,value", [("--back-to-back", "0"), ("--sample-ms", "-1"), ("--reps", "0"),
                                         ("--warmup", "-1"), ("--budget", "-2"), ("--seqs", "0,8192"), ("--seqs", ",")])
 def test_timing_options_refuse_values_that_cannot_time(bench, capsys, flag, value):
