@@ -243,15 +243,16 @@ STEP_CASES = [
 @pytest.mark.parametrize("kw", [dict(window=(60, 0), num_sink_tokens=4),
                                 dict(window=(60, 0), num_sink_tokens=3, alibi=True, dropout_rate=0.2,
                                      logits_soft_cap=8.0)])
-def test_few_keys_grads_match_the_reference(kw, block_diagonal):
+@pytest.mark.parametrize("head_dim, dtype", [(64, "bfloat16"), (256, "float16")])
+def test_few_keys_grads_match_the_reference(kw, block_diagonal, head_dim, dtype):
     """The sink keys' dK/dV that the dK/dV kernel leaves out (`dense.few_keys_grads`), against every query and
     only where the sink rule alone shows the pair: Q and dO read in their own layout through block-diagonal
-    products (the default at 6 heads x 4 keys), and grouped by KV head (`block_diagonal=False`). Needs no kernel:
-    it is XLA's."""
+    products (the default at 6 heads x 4 keys), and grouped by KV head (`block_diagonal=False`); in the two
+    dtypes the Mosaic kernels take, at the smallest and largest head_dims. Needs no kernel: it is XLA's."""
     from ringjax.core.dense import few_keys_grads
 
     kw = dict(kw)
-    total, sinks, heads, kv_heads, head_dim, dtype = 256, kw["num_sink_tokens"], 6, 2, 64, "bfloat16"
+    total, sinks, heads, kv_heads = 256, kw["num_sink_tokens"], 6, 2
     alibi, rate = kw.pop("alibi", False), kw.get("dropout_rate", 0.0)
     rng = np.random.default_rng(5)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
