@@ -391,8 +391,11 @@ def test_step_v_head_dims(head_dim, v_head_dim, layout, n, shard, src, local, dt
 
 
 FUSED = dataclasses.replace(SMALL, bwd_fused=True, dkv_num_stages=2)  # its dS^T tiles take a stage's room
-# the fused backward (dQ added into global memory from the dK/dV kernel): every mask walk and modifier it takes
+# the fused backward (dQ added into global memory from the dK/dV kernel): every mask walk and modifier it takes,
+# ALiBi's slope gradient summed per key causal (separable offsets, with a soft cap) and not (distance tiles)
 FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + [
+    ("striped", 2, 0, 1, 128, "float16", dict(causal=True, alibi=True, logits_soft_cap=5.0)),
+    ("contiguous", 2, 0, 1, 256, "float16", dict(window=(20, 30), alibi=True)),
     ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, logits_soft_cap=3.0)),
     ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True, window=(90, 0))),
 ]
@@ -417,11 +420,12 @@ def test_step_fused_backward(head_dim, layout, n, shard, src, local, dtype, kw, 
 
 @needs_kernels
 @pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
-@pytest.mark.parametrize("local, kw", [(192, dict(causal=True)), (64, dict(window=(20, 30)))])
+@pytest.mark.parametrize("local, kw", [(192, dict(causal=True)), (64, dict(window=(20, 30), alibi=True))])
 def test_step_backward_with_an_odd_number_of_key_tiles(config, local, kw):
     """The dK/dV kernel's CTAs take two 64-key tiles: with 192 (or 64) keys the last CTA's second consumer has
-    none. It walks the first's tile, adds nothing to dQ and stores nothing; before, that tile had no CTA and its
-    dK/dV were never written (found by `deterministic="invariant"`'s 64-token granules in the interpreter)."""
+    none. It walks the first's tile, adds nothing to dQ and stores nothing (nor, fused, the tile's ALiBi slope
+    gradient); before, that tile had no CTA and its dK/dV were never written (found by
+    `deterministic="invariant"`'s 64-token granules in the interpreter)."""
     for head_dim in (64, 128) if config.bwd_fused else (64,):
         _check_step("contiguous", 1, 0, 0, local, "bfloat16", head_dim, 4, 2, config=config, **kw)
 
@@ -463,6 +467,8 @@ def test_step_backward_reverse(config, case):
     (128, 8192, dict(causal=True, window=(1024, 0)), False, False, False, False),
     (64, 8192, dict(causal=True), True, False, True, False),
     (64, 32768, dict(causal=True), True, False, False, False),
+    (64, 32768, dict(causal=True, has_alibi=True), False, False, False, False),  # fused ALiBi: not timed on a GPU
+    (128, 32768, dict(causal=True, has_alibi=True), False, False, False, True),
     (256, 8192, dict(causal=True), False, False, False, False),
     (256, 32768, dict(causal=True), False, False, False, True),
     (256, 32768, dict(), False, False, False, False),
@@ -501,7 +507,7 @@ def test_step_with_the_heuristic_256_key_blocks(kw):
     (dict(dropout_rate=0.1, logits_soft_cap=3.0, window=(9, 0)), 64, 64, FUSED, True),
     (dict(causal=True), 128, 64, FUSED, True),
     (dict(causal=True), 128, 128, SMALL, False),  # not asked for
-    (dict(causal=True, has_alibi=True), 128, 128, FUSED, False),  # the slope gradient sums in the dQ kernel
+    (dict(causal=True, has_alibi=True), 128, 128, FUSED, True),  # each consumer sums its keys' slope gradient
     (dict(causal=True), 96, 96, FUSED, False),  # dQ leaves in an odd number of 32-column chunks
     (dict(causal=True), 256, 256, FUSED, False),  # split head_dim
     (dict(causal=True), 128, 128, dataclasses.replace(FUSED, dkv_block_q=128), False),
@@ -520,7 +526,6 @@ def test_fused_backward_where_it_fits(kw, head_dim, v_head_dim, config, fused):
     (dict(causal=True), {}, dataclasses.replace(FUSED, dkv_num_stages=3),
      "not the fused one asked for: its dS^T tiles do not fit beside dkv_num_stages=3 stages (232,448 bytes"),
     (dict(causal=True, deterministic=True), {}, FUSED, "not the fused one asked for: deterministic=True"),
-    (dict(causal=True, has_alibi=True), {}, FUSED, "not the fused one asked for: ALiBi"),
     (dict(causal=True), dict(head_dim=256), FUSED, "not the fused one asked for: head_dim 256 / v_head_dim 256"),
     (dict(causal=True), {}, dataclasses.replace(FUSED, dkv_block_q=128), "dkv_block_q=128 (it takes 64)"),
     (dict(causal=True, axis_name="sp", axis_size=2), {}, dataclasses.replace(FUSED, fused=True),
@@ -1317,9 +1322,11 @@ def test_kernels_are_named_for_profiles():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_alibi_lowers_for_cuda(causal):
+@pytest.mark.parametrize("config", [SMALL, FUSED], ids=["split", "fused"])
+def test_alibi_lowers_for_cuda(causal, config):
     """ALiBi's forward and backward lower for CUDA: causal, the forward adds a bias per key column and puts the
-    per-row part back in the lse (`_Mods.column_bias`); not causal, a distance per score."""
+    per-row part back in the lse (`_Mods.column_bias`); not causal, a distance per score. Fused, the dK/dV
+    kernel sums each key's slope gradient (transposed offsets, or distance tiles) and writes it once a head."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL, _jax_refusal
     from ringjax.core.masks import Extras
     from ringjax.core.ring import ring_attention_shard
@@ -1328,7 +1335,7 @@ def test_alibi_lowers_for_cuda(causal):
         pytest.skip(_jax_refusal())
     opts = AttentionOptions(softmax_scale=0.1, causal=causal, has_alibi=True)
     extras = Extras(alibi_slopes=jnp.linspace(0.01, 0.5, 4, dtype=jnp.float32))
-    compiled = dataclasses.replace(SMALL, interpret=False)
+    compiled = dataclasses.replace(config, interpret=False)
 
     def loss(q, k, v):
         return ring_attention_shard(opts, KERNEL, compiled, q, k, v, None, None, None, extras)[0].astype(
@@ -1337,10 +1344,11 @@ def test_alibi_lowers_for_cuda(causal):
     s = jax.ShapeDtypeStruct
     args = (s((1, 256, 4, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16), s((1, 256, 2, 64), jnp.bfloat16))
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+    assert ("ringjax_dkv_dq" in text) == config.bwd_fused
+    assert text.count("mosaic_gpu") >= (2 if config.bwd_fused else 3)  # forward, (dQ,) dK/dV
 
 
-@pytest.mark.parametrize("head_dim, kw, fused", [(128, {}, True), (128, dict(has_alibi=True), False),
+@pytest.mark.parametrize("head_dim, kw, fused", [(128, {}, True), (128, dict(has_alibi=True), True),
                                                  (128, dict(deterministic=True), False), (256, {}, False)])
 def test_candidates_try_the_fused_backward_where_it_runs(head_dim, kw, fused):
     """The tuner measures the fused backward beside the split kernels wherever `split_bwd_reason` lets it run."""

@@ -65,13 +65,14 @@ class MosaicGpuConfig(KernelConfig):
     dQ block take two query heads on the same rows (one K/V tile, one mask); otherwise, and
     always without GQA, two adjacent row tiles of one head. `bwd_fused`: one backward kernel
     (the dK/dV kernel also adds each block's dQ into global memory by TMA reduce-add, the
-    softmax recomputed once) instead of a dQ and a dK/dV kernel; where it cannot run (ALiBi,
-    head_dim other than 64 or 128, `dkv_block_q` other than 64, or too little shared memory for
-    its dS^T tiles beside `dkv_num_stages` stages: `split_bwd_reason`) the two kernels do, and the
-    "ringjax.implementation" report says which ran and why. `bwd_dq_first`: the fused backward issues each
-    visit's dQ product before its dV product, not between dV and dK, so dQ's store and add overlap both (and the
-    dS^T store none): faster without a causal mask (1 H200, 2026-12-01), and with one since the dQ write became one
-    commit a visit (1 H100, 2026-12-06); the heuristic sets it at head_dim 128. Its dQ
+    softmax recomputed once; with ALiBi each consumer also sums its keys' slope gradient) instead of a dQ
+    and a dK/dV kernel; where it cannot run (head_dim other than 64 or 128, `dkv_block_q` other than 64,
+    or too little shared memory for its dS^T tiles beside `dkv_num_stages` stages: `split_bwd_reason`)
+    the two kernels do, and the "ringjax.implementation" report says which ran and why. `bwd_dq_first`: the
+    fused backward issues each visit's dQ product before its dV product, not between dV and dK, so dQ's store
+    and add overlap both (and the dS^T store none): faster without a causal mask (1 H200, 2026-12-01), and
+    with one since the dQ write became one commit a visit (1 H100, 2026-12-06); the heuristic sets it at
+    head_dim 128. Its dQ
     sums in an order that varies from run to run; the two kernels are deterministic, and run instead
     with the op's `deterministic=True`.
     `bwd_tile_major`: the dQ and dK/dV kernels' CTAs start row tile by row tile, each tile of every head before the
@@ -137,30 +138,30 @@ class MosaicGpuConfig(KernelConfig):
         return {"forward": fwd + seg, "dq": dq + seg, "dkv": dkv + seg}
 
     def fused_bwd_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,
-                        v_head_dim: int | None = None) -> int:
+                        v_head_dim: int | None = None, alibi: bool = False) -> int:
         """Shared memory of the fused backward (`bwd_fused`): the dK/dV kernel's, plus its dS^T tiles per
-        consumer and call parity, the K tiles' copy for dQ (`dq_k_copy`) and the 1 KiB alignment a swizzled
-        buffer may need."""
+        consumer and call parity, the K tiles' copy for dQ (`dq_k_copy`), with ALiBi the consumers' slope
+        gradient rows and the reduction scratch their sums take, and the 1 KiB alignment a swizzled buffer may
+        need."""
         dkv = self.smem_bytes(head_dim, itemsize, segments, v_head_dim)["dkv"]
         k_copy = 2 * ROWS * head_dim * itemsize if dq_k_copy(head_dim, itemsize) else 0
-        return dkv + 4 * ROWS * self.dkv_block_q * itemsize + k_copy + 1024
+        slopes = _aligned(2 * ROWS * 4) + REDUCTION_SCRATCH if alibi else 0
+        return dkv + 4 * ROWS * self.dkv_block_q * itemsize + k_copy + slopes + 1024
 
     def split_bwd_reason(self, opts, head_dim: int, v_head_dim: int, itemsize: int = 2) -> str | None:
         """Why a step's backward with `bwd_fused` runs the dQ and dK/dV kernels instead of the fused one, or None
         when it runs fused. Its dQ tile is [64 queries, head_dim] and leaves in an even number of 32-column
-        chunks; ALiBi's slope gradient is summed in the dQ kernel; its dS^T tiles need shared memory beside the
-        dK/dV kernel's; TMA reduce-adds sum dQ in no fixed order."""
+        chunks; its dS^T tiles need shared memory beside the dK/dV kernel's; TMA reduce-adds sum dQ in no fixed
+        order."""
         if not self.bwd_fused:
             return "bwd_fused is off"
         if opts.deterministic:
             return "deterministic=True (the fused backward's dQ sums in no fixed order)"
-        if opts.has_alibi:
-            return "ALiBi (its slope gradient is summed in the dQ kernel)"
         if head_dim not in (64, 128) or v_head_dim > 128:
             return f"head_dim {head_dim} / v_head_dim {v_head_dim} (it takes head_dim 64 or 128, v up to 128)"
         if self.dkv_block_q != ROWS:
             return f"dkv_block_q={self.dkv_block_q} (it takes {ROWS})"
-        need = self.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim)
+        need = self.fused_bwd_bytes(head_dim, itemsize, opts.has_segments, v_head_dim, opts.has_alibi)
         if need > SMEM_LIMIT - 1024:
             return (f"its dS^T tiles do not fit beside dkv_num_stages={self.dkv_num_stages} stages ({need:,} bytes "
                     f"of shared memory against {SMEM_LIMIT - 1024:,}; fewer stages fit)")

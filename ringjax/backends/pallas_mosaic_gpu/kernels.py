@@ -317,12 +317,15 @@ def _offsets(positions, origin):
     return (positions - origin).astype(jnp.float32)
 
 
-def _slope_grad(ds, dist):
-    """Per query row (the rows of `ds`), the sum of dS times the distance: ALiBi's slope gradient, from a
-    distance tile or from `_Offsets` (sum_j dS_ij (j - o) - (i - o) sum_j dS_ij)."""
-    if isinstance(dist, _Offsets):
+def _slope_grad(ds, dist, rows_are_queries: bool = True):
+    """Per row of `ds` (queries, or keys: dS^T), the sum of dS times the distance: ALiBi's slope gradient, from a
+    distance tile or from `_Offsets` (row i: sum_j dS_ij (j - o) - (i - o) sum_j dS_ij, keys j - o less queries
+    i - o; transposed, the keys' offsets are the rows')."""
+    if not isinstance(dist, _Offsets):
+        return (ds * dist).sum(axis=1)
+    if rows_are_queries:
         return (ds * lax.broadcast_in_dim(dist.keys, ds.shape, [1])).sum(axis=1) - dist.queries * ds.sum(axis=1)
-    return (ds * dist).sum(axis=1)
+    return dist.keys * ds.sum(axis=1) - (ds * lax.broadcast_in_dim(dist.queries, ds.shape, [1])).sum(axis=1)
 
 
 def _bounds(rng_ref, row, tile, n_blocks: int, walk: _Walk):
@@ -1479,6 +1482,9 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     mod_refs = _mod_refs(opts, r)
     dq_ref = r.take(1, with_dq)  # zeros in; the fused backward adds every (key tile, query block)'s dQ into it
     dk_ref, dv_ref = r.take(2)
+    # fused, ALiBi: per (batch row, query head, key) the slope's gradient over this key's queries, times the scale
+    slopes = with_dq and opts.has_alibi
+    dslope_ref = r.take(1, slopes)
     # fused ring: the K/V received from each other source, and the dK/dV partials of ours other devices computed
     k_recv, v_recv, dk_recv, dv_recv = r.take(4, ring is not None)
     k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, o_smem = r.take(7)
@@ -1492,6 +1498,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     # head_dim 64: the K tiles again, 64-byte swizzled, so that a consumer's half of the columns (32, 64 bytes) is
     # whole swizzled rows, as wgmma wants its operands
     kdq_smem = r.take(1, with_dq and dq_k_copy(q_ref.shape[-1], jnp.dtype(q_ref.dtype).itemsize))
+    slope_smem = r.take(1, slopes)  # [consumer, 64]: a key tile's slope gradient on its way out
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
     stored, read = r.take(2, walk.split)
@@ -1559,6 +1566,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                 def step(i, blk, carry, kind):
                     dk, dv, *calls = carry  # fused: the count of blocks whose dQ was added, whose parity picks a buffer
+                    # and with ALiBi this head's slope gradient so far, per key
+                    calls, acc = (calls[:3], calls[3:]) if slopes else (calls, [])
                     slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                     plgpu.barrier_wait(q_bar.at[slot])
                     if with_dq or kind == "skip":  # the fused backward issues dP^T with S^T
@@ -1577,7 +1586,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                 share()
                                 write(_mma([_zeros((bq, dq_cols))], [terms], emulate)[0])
 
-                            return dk, dv, *advance(calls, gi, blk, seen)
+                            return dk, dv, *advance(calls, gi, blk, seen), *acc
                         return carry
 
                     # split: both consumers share the key tile; each scores its half of the block's queries over
@@ -1597,25 +1606,26 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         if kind == "masked":
                             blk_part, size = (2 * blk + wg, half) if walk.split else (blk, bq)
                             segs = kseg, _segments(qseg_ref, qseg_smem, seg_bar, b, blk_part, size, wg, 0)
-                        pt, keep, t, _ = _probs(st, opts, mods, pos, lse, False, segs, origin=kpos0)
+                        pt, keep, t, dist = _probs(st, opts, mods, pos, lse, False, segs, origin=kpos0)
                         kept = pt if keep is None else jnp.where(keep, pt * _keep_scale(opts), 0.0)
-                        return pt, kept.astype(q_ref.dtype), keep, t
+                        return pt, kept.astype(q_ref.dtype), keep, t, dist
 
                     if with_dq:
                         # FlashAttention-3's order: dP^T is issued with S^T and computes while P^T does
                         terms = [(k_smem.at[wg], q_smem.at[slot], True), (v_smem.at[wg], do_smem.at[slot], True)]
-                        (pt, pt16, keep, t), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs, emulate)
+                        (pt, pt16, keep, t, dist), (_, dpt) = _mma_early([(ROWS, bq)] * 2, terms, 0, probs,
+                                                                          emulate)
                     elif walk.split:
                         halves = [(k_smem.at[j], q_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]
                         (st,) = _mma([_zeros((ROWS, cols))], [halves], emulate)
-                        pt, pt16, keep, t = probs(st)
+                        pt, pt16, keep, t, dist = probs(st)
                         plgpu.barrier_wait(do_bar.at[slot])
                         (dpt,) = _mma([_zeros((ROWS, cols))],
                                       [[(v_smem.at[j], do_smem.at[slot].at[j].at[qs], True) for j in _parts(wg)]],
                                       emulate)
                     else:
                         st = _mma_fresh((ROWS, bq), k_smem.at[wg], q_smem.at[slot], transpose_b=True, emulate=emulate)
-                        pt, pt16, keep, t = probs(st)
+                        pt, pt16, keep, t, dist = probs(st)
                         plgpu.barrier_wait(do_bar.at[slot])
                         terms = [(pt16, do_smem.at[slot], False), (v_smem.at[wg], do_smem.at[slot], True)]
                         dv, dpt = _mma([dv, _zeros((ROWS, bq))], terms, emulate)
@@ -1626,6 +1636,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     scale = opts.softmax_scale
                     delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0)) * scale
                     dst = pt * (dpt * scale - lax.broadcast_in_dim(delta, dpt.shape, [1]))
+                    if slopes:  # d loss / d logit (times the scale), before the soft cap's factor, as in the dQ kernel
+                        acc = [acc[0] + _slope_grad(dst, dist, rows_are_queries=False)]
                     if t is not None:
                         dst = dst * cap_slope(t)
                     if with_dq and spare is not None:  # the spare consumer's dS^T must add nothing to dQ
@@ -1668,7 +1680,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                         before={at: share})
                     dv, dk = out[order.index("dv")], out[order.index("dk")]
                     plgpu.barrier_arrive(free.at[slot])
-                    return dk, dv, *advance(calls, gi, blk)
+                    return dk, dv, *advance(calls, gi, blk), *acc
 
                 def block_dq_parts(calls, gi, blk, dst16):
                     """For dQ over the CTA's 128 keys, added into global memory: `share()` stores this consumer's
@@ -1695,7 +1707,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                     return share, terms, write
 
-                return _walk_tile(span, my, step, carry, walk)
+                out = _walk_tile(span, my, step, carry, walk)
+                if not slopes:
+                    return out
+                write_slopes(out[-1], gi)
+                return (*out[:-1], _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
 
             def advance(calls, gi, blk, seen=True):
                 """The fused backward's carry after a visit that stored dS^T (`seen`): its count, and the visit
@@ -1709,6 +1725,18 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 cols = pl.ds(pl.multiple_of(wg * dq_cols, dq_cols), dq_cols)
                 return [(_T(ds_smem.at[buf, j]), kdq.at[j].at[:, cols], False) for j in _parts(wg)], cols
 
+            def write_slopes(acc, gi):
+                """ALiBi: this key tile's slope gradient over query head gi, written once (no other CTA has these
+                keys and head); the spare consumer's tile is the first's, and it writes nothing."""
+
+                def write():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last head's row has left the slot
+                    slope_smem.at[wg][...] = acc
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(slope_smem.at[wg], dslope_ref.at[b, kvh * groups + gi, pl.ds(k0, ROWS)])
+
+                pl.when(jnp.logical_not(spare))(write) if spare is not None else write()
+
             def write_dq(dq, blk, gi, cols):
                 rows = pl.ds(blk * bq, bq)
                 h = kvh * groups + gi
@@ -1721,6 +1749,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 plgpu.barrier_arrive(read.at[0])
             if with_dq:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
                 init += (jnp.int32(0), jnp.int32(0))
+                if slopes:
+                    init += (_zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)),)
                 ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_bar.at[1])
@@ -1835,8 +1865,9 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
-        dq, dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq=True)
-        return dq, dk, dv, None
+        dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config,
+                                          with_dq=True)
+        return dq, dk, dv, (dslope[0] if dslope else None)
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, out_dtype=out_dtype)
     dslope = None if dslope is None else dslope.sum(axis=(0, 2))
     if is_sink_step(opts):  # keys that every query sees: see `_sink_key_grads`
@@ -1947,8 +1978,9 @@ def fuses_backward(opts: AttentionOptions, config: MosaicGpuConfig, head_dim: in
 def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, with_dq: bool = False,
                 ring=None, out_dtype=jnp.float32):
     """dK/dV: rows are key tiles of one KV head; (q, dO, lse, delta) blocks of its query heads stream.
-    `with_dq`: also dQ (fused backward), returned first. `ring` (axis_name, axis_size, local, signal), with
-    `k_info` a list of every source's (`fused_ring_bwd`): also the K/V received and the partials for ours."""
+    `with_dq`: also dQ (fused backward), returned first, and with ALiBi the slopes' gradient, last. `ring`
+    (axis_name, axis_size, local, signal), with `k_info` a list of every source's (`fused_ring_bwd`): also the
+    K/V received and the partials for ours."""
     b, t, h, d = q.shape
     s, kvh, has_seg, dt, dv = k.shape[1], k.shape[2], q_info.seg is not None, q.dtype, v.shape[3]
     g = h // kvh
@@ -2003,10 +2035,14 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
                 plgpu.Barrier(num_arrivals=2, num_barriers=2)]  # both consumers stored theirs
     if k_copy:
         scratch.append(plgpu.SMEM((2, ROWS, d), dt, transforms=_transforms(d // 2, dt)))
+    if opts.has_alibi:  # the slope's gradient per (batch row, query head, key), times the scale
+        kv_structs.append(_compat.struct_like((b, h, s), jnp.float32, args[0]))
+        scratch.append(plgpu.SMEM((2, ROWS), jnp.float32))
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
-    dq, dk, dv = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
-                         walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
-                         added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
-                         dq_first=config.bwd_dq_first)
-    return (dq.sum((0, 1)) if parts else dq), dk, dv
+    dq, dk, dv, *dslope = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
+                                  walk=walk, groups=g, has_seg=has_seg, opts=opts, config=config,
+                                  added=jax.ShapeDtypeStruct((*parts, *q.shape), jnp.float32), with_dq=True,
+                                  dq_first=config.bwd_dq_first)
+    dslope = [x.sum((0, 2)) / opts.softmax_scale for x in dslope]  # per query head, as the dQ kernel's
+    return (dq.sum((0, 1)) if parts else dq), dk, dv, *dslope
