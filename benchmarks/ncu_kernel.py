@@ -4,7 +4,8 @@
     python3 benchmarks/ncu_kernel.py summary $OUT/bwd                                         # anywhere
 
 `run` profiles one launch of the named kernel (after one warm-up launch) in a jitted forward+backward of
-`pallas_mosaic_gpu` (bf16, batch 1, 32 q / 8 kv heads, head_dim 128; `--causal`), with the clocks left alone
+`pallas_mosaic_gpu` (bf16, batch 1, 32 q / 8 kv heads, head_dim 128; `--causal`, `--alibi`, and `--config
+KEY=VALUE,...` for a `MosaicGpuConfig` in place of the heuristic's), with the clocks left alone
 (`--clock-control none`), and exports the details page and the per-instruction (SASS) page as CSV. `summary`
 prints the kernel's duration, its local-memory (spill) requests, the warps' stall reasons, and the hot segments of
 the SASS: runs of instructions executed equally often, so a loop body's parts show apart, with their share of
@@ -17,6 +18,7 @@ import argparse
 import collections
 import csv
 import gzip
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,19 +29,23 @@ DETAILS = ("Duration", "Local Memory Spilling Requests", "Compute (SM) Throughpu
            "Registers Per Thread", "Warp Cycles Per Issued Instruction")
 
 
-def profiled_call(seq: int, causal: bool) -> None:
+def profiled_call(seq: int, causal: bool, alibi: bool = False, config: str | None = None) -> None:
     """The program ncu runs: three jitted fwd+bwd calls."""
     import jax
     import jax.numpy as jnp
 
     import ringjax
+    from ringjax.backends.pallas_mosaic_gpu.config import MosaicGpuConfig
 
     ks = jax.random.split(jax.random.key(0), 4)
     q, do = (jax.random.normal(k, (1, seq, 32, 128), jnp.bfloat16) for k in ks[:2])
     k, v = (jax.random.normal(k, (1, seq, 8, 128), jnp.bfloat16) for k in ks[2:])
+    slopes = 2.0 ** (-8.0 * jnp.arange(1, 33) / 32) if alibi else None
+    cfg = MosaicGpuConfig(**config_fields(config)) if config else None
 
     def loss(q, k, v):
-        o = ringjax.ring_attention(q, k, v, axis_name=None, causal=causal, implementation="pallas_mosaic_gpu")
+        o = ringjax.ring_attention(q, k, v, axis_name=None, causal=causal, implementation="pallas_mosaic_gpu",
+                                   alibi_slopes=slopes, config=cfg)
         return jnp.vdot(o.astype(jnp.float32), do.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -47,10 +53,20 @@ def profiled_call(seq: int, causal: bool) -> None:
         jax.block_until_ready(grads(q, k, v))
 
 
+def config_fields(text: str) -> dict:
+    """"bwd_fused=true,dkv_num_stages=2" -> {"bwd_fused": True, "dkv_num_stages": 2} (values read as JSON)."""
+    pairs = [item.partition("=") for item in text.split(",") if item]
+    if any(not sep or not key for key, sep, _ in pairs):
+        raise SystemExit(f"--config: expected KEY=VALUE[,KEY=VALUE...], got {text!r}")
+    return {key: json.loads(value.lower() if value.lower() in ("true", "false") else value)
+            for key, _, value in pairs}
+
+
 def run(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     target = [sys.executable, __file__, "call", "--seq", str(args.seq)] + (["--causal"] if args.causal else [])
+    target += (["--alibi"] if args.alibi else []) + (["--config", args.config] if args.config else [])
     sections = [flag for name in SECTIONS for flag in ("--section", name)]
     subprocess.run(["ncu", "--clock-control", "none", "-k", f"regex:{args.kernel}", "--launch-skip", "1",
                     "--launch-count", "1", *sections, "-f", "-o", str(out), *target], check=True)
@@ -113,6 +129,8 @@ def main(argv=None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--seq", type=int, default=32768)
         p.add_argument("--causal", action="store_true")
+        p.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
+        p.add_argument("--config", help="MosaicGpuConfig fields KEY=VALUE,... (default: the heuristic's config)")
         if name == "run":
             p.add_argument("--kernel", default="ringjax_dkv_dq", help="kernel name (a regular expression)")
             p.add_argument("--out", required=True, help="report path, without suffix")
@@ -122,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-share", type=float, default=0.005)
     args = parser.parse_args(argv)
     if args.command == "call":
-        profiled_call(args.seq, args.causal)
+        profiled_call(args.seq, args.causal, args.alibi, args.config)
         return 0
     return run(args) if args.command == "run" else summary(args)
 

@@ -448,6 +448,9 @@ def test_ncu_summary_reads_segments_and_stalls(tmp_path, capsys):
     assert "wait 70.0%" in out and "long_sb 30.0%" in out
     assert "    2-    3  executed           5   60.0%  BRA 1" in out  # the 40% segment is under --min-share
     assert "LDL" not in out.split("segments")[1]
+    assert ncu.config_fields("bwd_fused=TRUE,dkv_num_stages=2") == {"bwd_fused": True, "dkv_num_stages": 2}
+    with pytest.raises(SystemExit, match="--config"):
+        ncu.config_fields("bwd_fused")
 
 
 @pytest.mark.parametrize("flag,value", [("--back-to-back", "0"), ("--sample-ms", "-1"), ("--reps", "0"),

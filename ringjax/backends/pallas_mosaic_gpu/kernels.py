@@ -302,6 +302,15 @@ def _probs(s, opts, mods: _Mods, pos, lse, rows_are_queries: bool, segments=None
     return p, keep, t, dist
 
 
+class _Lag(NamedTuple):
+    """The fused backward's loop state for dQ, computed a visit late: the visits whose dS^T was stored (their
+    parity picks the buffer), and the query block and head of the last one, whose dQ is still to be written."""
+
+    visits: jax.Array
+    block: jax.Array
+    head: jax.Array
+
+
 class _Offsets(NamedTuple):
     """Query and key positions less a tile's origin o (float32 vectors): causal ALiBi's distances kept separable.
     Causal, every visible pair has j <= i, so -slope |i - j| = slope (j - o) - slope (i - o): the queries' term
@@ -442,6 +451,13 @@ def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
             src = smem.at[wg, slot] if rows == acc.shape[0] else smem.at[wg, slot, pl.ds(0, rows)]
             plgpu.copy_smem_to_gmem(src, dst.at[:, pl.ds(c * cols, cols)], reduction_op="add" if add else None)
     return first + n
+
+
+def _write_vector(x, smem, dst):
+    """Store a register vector to its shared-memory row `smem` and copy that to GMEM `dst`."""
+    smem[...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, dst)
 
 
 def _drain(steps, stages: int, *free):
@@ -1410,9 +1426,7 @@ def _dq_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: bo
         dq, dslope, _ = sub_steps(source, init)
 
         def write_dslope(total, w=wg):  # lse is in registers: its shared-memory row carries the slope's gradient out
-            lse_smem.at[w][...] = total
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(lse_smem.at[w], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
+            _write_vector(total, lse_smem.at[w], dslope_ref.at[b, head, pl.ds(q0, ROWS)])
 
         if not walk.split:
             _write_rows(dq * opts.softmax_scale, o_smem, wg, dq_ref.at[rows])
@@ -1565,9 +1579,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 mods = _Mods.read(opts, mod_refs, b, kvh * groups + gi)
 
                 def step(i, blk, carry, kind):
-                    dk, dv, *calls = carry  # fused: the count of blocks whose dQ was added, whose parity picks a buffer
-                    # and with ALiBi this head's slope gradient so far, per key
-                    calls, acc = (calls[:3], calls[3:]) if slopes else (calls, [])
+                    dk, dv, lag, slope = carry
                     slot = lax.rem(gi * span.steps + i, jnp.int32(stages))
                     plgpu.barrier_wait(q_bar.at[slot])
                     if with_dq or kind == "skip":  # the fused backward issues dP^T with S^T
@@ -1582,11 +1594,11 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                             @pl.when(seen)
                             def _():
                                 zeros = jnp.zeros((ROWS, bq), q_ref.dtype)
-                                share, terms, write = block_dq_parts(calls, gi, blk, zeros)
+                                share, terms, write = block_dq_parts(lag, gi, blk, zeros)
                                 share()
                                 write(_mma([_zeros((bq, dq_cols))], [terms], emulate)[0])
 
-                            return dk, dv, *advance(calls, gi, blk, seen), *acc
+                            return dk, dv, advance(lag, gi, blk, seen), slope
                         return carry
 
                     # split: both consumers share the key tile; each scores its half of the block's queries over
@@ -1637,7 +1649,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0)) * scale
                     dst = pt * (dpt * scale - lax.broadcast_in_dim(delta, dpt.shape, [1]))
                     if slopes:  # d loss / d logit (times the scale), before the soft cap's factor, as in the dQ kernel
-                        acc = [acc[0] + _slope_grad(dst, dist, rows_are_queries=False)]
+                        slope = slope + _slope_grad(dst, dist, rows_are_queries=False)
                     if t is not None:
                         dst = dst * cap_slope(t)
                     if with_dq and spare is not None:  # the spare consumer's dS^T must add nothing to dQ
@@ -1659,18 +1671,18 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         dv, dk = _mma([dv, dk], [terms(pt_smem, do_smem), terms(dst_smem, q_smem)], emulate)
                         plgpu.barrier_arrive(read.at[0])
                         plgpu.barrier_arrive(free.at[slot])
-                        return dk, dv
+                        return dk, dv, lag, slope
                     if not with_dq:
                         (dk,) = _mma([dk], [(dst16, q_smem.at[slot].at[wg] if walk.split else q_smem.at[slot], False)],
                                      emulate)
                         plgpu.barrier_arrive(free.at[slot])
-                        return dk, dv
+                        return dk, dv, lag, slope
                     # fused: dS^T goes to shared memory, where both consumers read it for dQ (at head_dim 128 the
                     # previous visit's). By default dV is issued first, on P^T in registers, and computes while
                     # dS^T is stored; dQ's add into global memory leaves while dK computes (FlashAttention-3's
                     # order). `dq_first`: dS^T is stored first and dQ's product issued before dV's, so its store
                     # and add overlap both dV and dK (config.bwd_dq_first)
-                    share, dq_terms, write = block_dq_parts(calls, gi, blk, dst16)
+                    share, dq_terms, write = block_dq_parts(lag, gi, blk, dst16)
                     order = ("dq", "dv", "dk") if dq_first else ("dv", "dq", "dk")
                     accs = {"dv": dv, "dq": (bq, dq_cols), "dk": dk}
                     terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
@@ -1680,14 +1692,13 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                         before={at: share})
                     dv, dk = out[order.index("dv")], out[order.index("dk")]
                     plgpu.barrier_arrive(free.at[slot])
-                    return dk, dv, *advance(calls, gi, blk), *acc
+                    return dk, dv, advance(lag, gi, blk), slope
 
-                def block_dq_parts(calls, gi, blk, dst16):
+                def block_dq_parts(lag: _Lag, gi, blk, dst16):
                     """For dQ over the CTA's 128 keys, added into global memory: `share()` stores this consumer's
                     dS^T of query block `blk`; dQ's wgmma terms; `write(dq)`. Consumer wg takes half wg of the
-                    columns over both consumers' dS^T of the previous visit (`calls` = (visits, its block, its
-                    head))."""
-                    buf = calls[0] % 2
+                    columns over both consumers' dS^T of the previous visit (`lag`)."""
+                    buf = lag.visits % 2
                     prev = 1 - buf
                     terms, cols = lagged_products(prev)
 
@@ -1701,24 +1712,23 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     def write(dq):  # dQ's product has read both tiles of the previous visit
                         plgpu.barrier_arrive(ds_bar.at[buf])
 
-                        @pl.when(calls[0] > 0)
+                        @pl.when(lag.visits > 0)
                         def _():
-                            write_dq(dq, calls[1], calls[2], cols)
+                            write_dq(dq, lag.block, lag.head, cols)
 
                     return share, terms, write
 
-                out = _walk_tile(span, my, step, carry, walk)
-                if not slopes:
-                    return out
-                write_slopes(out[-1], gi)
-                return (*out[:-1], _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)))
+                dk, dv, lag, slope = _walk_tile(span, my, step, carry, walk)
+                if slopes:
+                    write_slopes(slope, gi)
+                    slope = _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1))
+                return dk, dv, lag, slope
 
-            def advance(calls, gi, blk, seen=True):
-                """The fused backward's carry after a visit that stored dS^T (`seen`): its count, and the visit
-                whose dQ is still to be computed."""
+            def advance(lag: _Lag, gi, blk, seen=True) -> _Lag:
+                """The fused backward's lag after a visit that stored dS^T (`seen`)."""
                 seen = jnp.asarray(seen)
-                n = (calls[0] + seen.astype(jnp.int32),)
-                return n + (jnp.where(seen, blk, calls[1]), jnp.where(seen, gi, calls[2]))
+                return _Lag(lag.visits + seen.astype(jnp.int32), jnp.where(seen, blk, lag.block),
+                            jnp.where(seen, gi, lag.head))
 
             def lagged_products(buf):
                 """Consumer wg's half of the columns of dQ over both consumers' dS^T in `buf`."""
@@ -1731,9 +1741,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                 def write():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last head's row has left the slot
-                    slope_smem.at[wg][...] = acc
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(slope_smem.at[wg], dslope_ref.at[b, kvh * groups + gi, pl.ds(k0, ROWS)])
+                    _write_vector(acc, slope_smem.at[wg], dslope_ref.at[b, kvh * groups + gi, pl.ds(k0, ROWS)])
 
                 pl.when(jnp.logical_not(spare))(write) if spare is not None else write()
 
@@ -1744,26 +1752,25 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 _write_rows(dq, o_smem, wg, dst_ref.at[:, cols], add=not emulate)
 
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
-            init = tuple(_zeros((ROWS, c)) for c in cols) + ((jnp.int32(0),) if with_dq else ())
+            zero = jnp.int32(0)
+            init = (*(_zeros((ROWS, c)) for c in cols), _Lag(zero, zero, zero) if with_dq else None,
+                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if slopes else None)
             if walk.split:  # nothing to read yet: the first block may store its tiles
                 plgpu.barrier_arrive(read.at[0])
             if with_dq:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
-                init += (jnp.int32(0), jnp.int32(0))
-                if slopes:
-                    init += (_zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)),)
                 ds_smem.at[1, wg][...] = jnp.zeros((ROWS, bq), q_ref.dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ds_bar.at[1])
-            dk, dv, *calls = lax.fori_loop(0, groups, head, init)
+            dk, dv, lag, _ = lax.fori_loop(0, groups, head, init)
             if with_dq:  # the last visit's dQ
-                prev = lax.rem(calls[0] + 1, jnp.int32(2))
+                prev = lax.rem(lag.visits + 1, jnp.int32(2))
                 plgpu.barrier_wait(ds_bar.at[prev])
                 terms, last_cols = lagged_products(prev)
                 (dq,) = _mma([_zeros((bq, dq_cols))], [terms], emulate)
 
-                @pl.when(calls[0] > 0)
+                @pl.when(lag.visits > 0)
                 def _():
-                    write_dq(dq, calls[1], calls[2], last_cols)
+                    write_dq(dq, lag.block, lag.head, last_cols)
             if walk.split:  # the other consumer has read the last tiles before the epilogue reuses their memory
                 plgpu.barrier_wait(read.at[0])
 
