@@ -467,7 +467,7 @@ def test_step_backward_reverse(config, case):
     (128, 8192, dict(causal=True, window=(1024, 0)), False, False, False, False),
     (64, 8192, dict(causal=True), True, False, True, False),
     (64, 32768, dict(causal=True), True, False, False, False),
-    (64, 32768, dict(causal=True, has_alibi=True), False, False, False, False),  # fused ALiBi: 0.7-0.8x the split kernels
+    (64, 32768, dict(causal=True, has_alibi=True), False, False, False, False),  # fused ALiBi: slower (0.7-0.8x)
     (128, 32768, dict(causal=True, has_alibi=True), False, False, False, True),
     (256, 8192, dict(causal=True), False, False, False, False),
     (256, 32768, dict(causal=True), False, False, False, True),
@@ -1130,6 +1130,25 @@ def test_candidates_fit_shared_memory():
         cands = IMPLEMENTATION.candidate_configs(problem)
         assert IMPLEMENTATION.default_config(problem) in cands
         assert all(max(cfg.smem_bytes(d).values()) <= SMEM_LIMIT for cfg in cands)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_candidates_are_the_heuristics_neighbours(causal):
+    """The tuner times the heuristic's config and its one-choice neighbours (a shape on the GPU tunes in minutes):
+    each other candidate changes one choice of it (the forward's blocks, row pairing, the backward and its
+    stages, or, causal, an order of the backward's CTAs, for either backward)."""
+    problem = _problem(seq=32768, heads=32, kv_heads=8, opts=AttentionOptions(causal=causal))
+    base, *rest = IMPLEMENTATION.candidate_configs(problem)
+    assert base == IMPLEMENTATION.default_config(problem) and len(rest) == len(set(rest)) and base not in rest
+    assert len(rest) <= 10
+    groups = [{"block_kv", "num_stages"}, {"pair_heads"},
+              {"bwd_fused", "bwd_dq_first", "dq_block_kv", "dkv_num_stages"}, {"bwd_tile_major"}, {"bwd_reverse"}]
+    for cfg in rest:
+        changed = {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(base, f.name)}
+        orders = changed & {"bwd_tile_major", "bwd_reverse"}
+        assert any(changed - orders <= g for g in groups) and len(orders) <= 1, changed
+        assert causal or not orders
+    assert {c.bwd_fused for c in rest} == {True, False}  # both backwards, the split one in its stages
 
 
 @pytest.mark.parametrize("head_dim, kw, block_kv, persistent", [

@@ -346,40 +346,44 @@ class PallasMosaicGpuImplementation:
         return problem, None
 
     def candidate_configs(self, problem: Problem) -> list[MosaicGpuConfig]:
-        # measured on one H200 (docs/performance.md): 128-key forward blocks with 2 stages lead (64 with 4
-        # stages lost 10-15%); the rest differ by a few percent, so the tuner decides. The heuristic's config
-        # comes first, so that tuning never keeps a slower one
-        out, fused = [default_config(problem)], fuses_ring(problem)  # on a ring: the heuristic's ring kernels
-        for pair_heads in (True, False):
-            for block_kv, stages in ((128, 2), (64, 3), (64, 2)):
-                for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
-                    cfg = MosaicGpuConfig(block_kv=block_kv, num_stages=stages, dq_block_kv=dq_kv,
-                                          dkv_num_stages=dkv_stages, pair_heads=pair_heads, fused=fused)
-                    sizes = cfg.smem_bytes(problem.head_dim, problem.itemsize, problem.opts.has_segments,
-                                           problem.v_head_dim, problem.opts.has_alibi).values()
-                    if (max(sizes) <= SMEM_LIMIT - 1024 and (pair_heads or problem.seq % (2 * ROWS) == 0)
-                            and cfg not in out):
-                        out.append(cfg)
-        # the fused backward where it runs (beside the forward's leading blocks; a fused ring's backward has kernels
-        # of its own), in both orders of its dQ product: the H200's fastest at head_dim 128 on three of the four
-        # plain shapes measured (2026-12-01), dQ first where not causal; slower on masks that skip blocks; the tuner
-        # decides
-        for cfg in [c for c in out if (c.block_kv, c.num_stages, c.dkv_num_stages) == (128, 2, 2) and not c.fused]:
-            fused_bwd = dataclasses.replace(cfg, bwd_fused=True, dq_block_kv=64)
-            if fused_bwd not in out and fused_bwd.split_bwd_reason(
-                    problem.opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None:
-                out += [fused_bwd, dataclasses.replace(fused_bwd, bwd_dq_first=True)]
-        # a causal mask gives the first row tiles the most work: the backward's CTAs in both orders, head by head
-        # and longest first (`bwd_tile_major`, docs/performance.md), for the heuristic's and the fused backwards
-        if problem.opts.causal:
-            for cfg in out[:1] + [c for c in out if c.bwd_fused]:
-                flipped = dataclasses.replace(cfg, bwd_tile_major=not cfg.bwd_tile_major)
-                if flipped not in out:
-                    out.append(flipped)
-            # and the heuristic's dK/dV walk in the other direction (`bwd_reverse`)
-            flipped = dataclasses.replace(out[0], bwd_reverse=not out[0].bwd_reverse)
-            if flipped not in out:
-                out.append(flipped)
+        """The heuristic's config first, so that tuning never keeps a slower one, then its neighbours: one field
+        (or the pair that goes together) changed at a time, among the choices measured to matter
+        (docs/performance.md), where it fits shared memory and runs. 7-11 at head_dim 128 where the grid of every
+        block size and order was 23-28, each a forward and backward to compile: a shape tunes in minutes, not
+        quarter hours, on the GPU machine. On a ring that fuses (`fuses_ring`) every candidate keeps its kernels."""
+        base, opts = default_config(problem), problem.opts
+        out = [base]
+
+        def add(cfg: MosaicGpuConfig) -> MosaicGpuConfig:
+            sizes = cfg.smem_bytes(problem.head_dim, problem.itemsize, opts.has_segments, problem.v_head_dim,
+                                   opts.has_alibi).values()
+            if (max(sizes) <= SMEM_LIMIT - 1024 and (cfg.pair_heads or problem.seq % (2 * ROWS) == 0)
+                    and cfg not in out):
+                out.append(cfg)
+            return cfg
+
+        # the forward's blocks: 128 keys in 2 stages led at head_dim 128 (64 in 3 or 4 stages lost 10-15%, 1 H200;
+        # 64 in 2, 0.86-1.00x on sparse masks), 64 are all that fit above it, 256 led at 64 without a mask
+        for block_kv, stages in ((128, 2), (64, 3), (256, 2)):
+            add(dataclasses.replace(base, block_kv=block_kv, num_stages=stages))
+        add(dataclasses.replace(base, pair_heads=not base.pair_heads))
+        # the backward: split kernels (their stages and dQ blocks) or fused (both orders of its dQ product)
+        split = dataclasses.replace(base, bwd_fused=False, bwd_dq_first=False)
+        for dq_kv, dkv_stages in ((64, 3), (128, 3), (64, 2)):
+            add(dataclasses.replace(split, dq_block_kv=dq_kv, dkv_num_stages=dkv_stages))
+        fused = dataclasses.replace(base, bwd_fused=True, dq_block_kv=64, dkv_num_stages=2)
+        fused_runs = fused.split_bwd_reason(opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None
+        if fused_runs:
+            for dq_first in (False, True):
+                add(dataclasses.replace(fused, bwd_dq_first=dq_first))
+        # a causal mask gives the first row tiles the most work: the backward's CTAs in both orders (head by head,
+        # or longest first: `bwd_tile_major`) and the dK/dV walk both ways (`bwd_reverse`), for the heuristic's
+        # backward and the other one
+        if opts.causal:
+            other = [c for c in out[1:] if c.bwd_fused != base.bwd_fused][:1]
+            for cfg in [base, *other]:
+                add(dataclasses.replace(cfg, bwd_tile_major=not cfg.bwd_tile_major))
+                add(dataclasses.replace(cfg, bwd_reverse=not cfg.bwd_reverse))
         return out
 
     def config_note(self, problem: Problem, config: MosaicGpuConfig) -> str:
