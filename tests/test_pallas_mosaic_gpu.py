@@ -1345,7 +1345,8 @@ def test_kernels_are_named_for_profiles():
 def test_alibi_lowers_for_cuda(causal, config):
     """ALiBi's forward and backward lower for CUDA: causal, the forward adds a bias per key column and puts the
     per-row part back in the lse (`_Mods.column_bias`); not causal, a distance per score. Fused, the dK/dV
-    kernel sums each key's slope gradient (transposed offsets, or distance tiles) and writes it once a head."""
+    kernel sums each key's slope gradient (causal by a wgmma of dS^T and 16 columns, `_SlopeSums`; else from
+    distance tiles) and writes it once a head."""
     from ringjax.backends.pallas_mosaic_gpu.implementation import KERNEL, _jax_refusal
     from ringjax.core.masks import Extras
     from ringjax.core.ring import ring_attention_shard
@@ -1367,11 +1368,14 @@ def test_alibi_lowers_for_cuda(causal, config):
     assert text.count("mosaic_gpu") >= (2 if config.bwd_fused else 3)  # forward, (dQ,) dK/dV
 
 
-@pytest.mark.parametrize("head_dim, kw, fused", [(128, {}, True), (128, dict(has_alibi=True), True),
-                                                 (128, dict(deterministic=True), False), (256, {}, False)])
+@pytest.mark.parametrize("head_dim, kw, fused", [
+    (128, {}, True), (128, dict(has_alibi=True, causal=False), True),
+    (128, dict(has_alibi=True), False),  # causal ALiBi's tensor-core sums: not run on a GPU yet
+    (128, dict(deterministic=True), False), (256, {}, False)])
 def test_candidates_try_the_fused_backward_where_it_runs(head_dim, kw, fused):
-    """The tuner measures the fused backward beside the split kernels wherever `split_bwd_reason` lets it run."""
-    problem = _problem(head_dim=head_dim, opts=AttentionOptions(causal=True, **kw))
+    """The tuner measures the fused backward beside the split kernels wherever `split_bwd_reason` lets it run
+    (and it has run on a GPU)."""
+    problem = _problem(head_dim=head_dim, opts=AttentionOptions(**{"causal": True, **kw}))
     cands = IMPLEMENTATION.candidate_configs(problem)
     runs = [c for c in cands if c.split_bwd_reason(problem.opts, head_dim, head_dim, problem.itemsize) is None]
     assert bool(runs) == fused and len(cands) == len(set(cands))

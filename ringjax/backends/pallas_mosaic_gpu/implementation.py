@@ -310,10 +310,11 @@ def _fuses_backward(problem: Problem) -> bool:
     soft cap 1.01 / 1.08; checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd). Masks that skip blocks ran the fused
     backward at 0.68-0.95 of the split one there."""
     opts = problem.opts
-    # ALiBi's fused backward (its slope gradient summed per key) is exact on the GPU but slower: backward alone
+    # ALiBi's fused backward summing the slope gradient per score was exact on the GPU but slower: backward alone
     # 286 / 349 TFLOP/s against the split kernels' 410 / 440 at 8K / 32K causal (1 H100, jax 0.11.2, 2026-12-06,
-    # checks/..._coverage_alibi_fused_bwd); under ncu its consumers spill 3x as much as plain's (the queries'
-    # offsets and the slope sums beside 240 registers). The tuner may pick it, the heuristic keeps the split kernels
+    # checks/..._coverage_alibi_fused_bwd); under ncu its consumers spilled 3x as much as plain's (the queries'
+    # offsets and the slope sums beside 240 registers). Causal, the tensor cores sum it now (`_SlopeSums`), not
+    # yet timed on a GPU; the heuristic keeps the split kernels
     if problem.head_dims != (128, 128) or not _skips_causal_only(opts) or opts.has_alibi:
         return False
     heavy = opts.dropout_rate > 0 or opts.logits_soft_cap is not None
@@ -373,6 +374,9 @@ class PallasMosaicGpuImplementation:
             add(dataclasses.replace(split, dq_block_kv=dq_kv, dkv_num_stages=dkv_stages))
         fused = dataclasses.replace(base, bwd_fused=True, dq_block_kv=64, dkv_num_stages=2)
         fused_runs = fused.split_bwd_reason(opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None
+        # causal ALiBi's fused sums (`kernels._SlopeSums`) are exact in the interpreter and lower for CUDA but have
+        # not run on a GPU: the tuner, which compares times only, leaves them to an explicit config until they have
+        fused_runs = fused_runs and not (opts.has_alibi and opts.causal)
         if fused_runs:
             for dq_first in (False, True):
                 add(dataclasses.replace(fused, bwd_dq_first=dq_first))
