@@ -395,6 +395,7 @@ FUSED = dataclasses.replace(SMALL, bwd_fused=True, dkv_num_stages=2)  # its dS^T
 # ALiBi's slope gradient summed per key causal (separable offsets, with a soft cap) and not (distance tiles)
 FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + [
     ("striped", 2, 0, 1, 128, "float16", dict(causal=True, alibi=True, logits_soft_cap=5.0)),
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, alibi=True, dropout_rate=0.1)),  # two chunks a shard
     ("contiguous", 2, 0, 1, 256, "float16", dict(window=(20, 30), alibi=True)),
     ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, logits_soft_cap=3.0)),
     ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True, window=(90, 0))),

@@ -337,9 +337,14 @@ class _SlopeSums(NamedTuple):
         self.columns.at[wg][...] = jnp.where(c == 0, j.astype(jnp.float32), jnp.where(ones, 1.0, 0.0)).astype(dtype)
         plgpu.commit_smem()
 
-    def term(self, ds16, wg):
-        """The visit's product: a fresh accumulator and its term (dS^T from registers)."""
-        return (ROWS, self.COLS), (ds16, self.columns.at[wg], False)
+    def terms(self, ds, ds16, wg):
+        """The visit's product: a fresh accumulator and its terms, float32 dS^T from registers as two 16-bit
+        parts (`ds16`, the first where already rounded, and the rest): the gradient is a sum whose terms
+        cancel, and dS^T rounded to bf16 alone put it 11% off the float64 reference (zigzag, causal, dropout;
+        the interpreter), the two parts 2^-17 of a score."""
+        hi = ds.astype(self.columns.dtype) if ds16 is None else ds16
+        lo = (ds - hi.astype(jnp.float32)).astype(hi.dtype)
+        return (ROWS, self.COLS), [(part, self.columns.at[wg], False) for part in (hi, lo)]
 
     def add(self, acc, visit, shift):
         """acc + the visit's sums, S1's by shift = kpos0 - qpos0_v."""
@@ -1740,8 +1745,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                              "dk": (dst16, q_smem.at[slot], False)}
                     if sums is not None:  # last: dQ's write waits for nothing more
                         order += ("slope",)
-                        lhs = dst16 if slope_lhs is None else slope_lhs.astype(q_ref.dtype)
-                        accs["slope"], terms["slope"] = sums.term(lhs, wg)
+                        accs["slope"], terms["slope"] = sums.terms(dst if slope_lhs is None else slope_lhs,
+                                                                   dst16 if slope_lhs is None else None, wg)
                     at = order.index("dq")
                     _, out = _mma_early([accs[n] for n in order], [terms[n] for n in order], at, write, emulate,
                                         before={at: share})
