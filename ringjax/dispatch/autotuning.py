@@ -350,24 +350,56 @@ def _tune_outside_trace(impl, problem: registry.Problem, settings: TuneSettings,
     else:
         args = tuple(None if a is None else jax.device_put(a, devices[0]) for a in _stand_ins(run_problem, n))
     candidates = impl.candidate_configs(run_problem)
-    compiled: list = []
-    compile_errors: list[str | None] = []
-    for candidate in candidates:  # all compiled first, then timed in interleaved rounds (`TuneSettings.rounds`)
-        try:
-            step = timed_step(
-                functools.partial(registry.run_per_device, impl, run_problem, candidate), _call_of(run_problem, mesh),
-                settings.backward)
-            compiled.append(jax.jit(step).lower(*args).compile())
-            compile_errors.append(None)
-        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is skipped
-            compiled.append(None)
-            compile_errors.append("compile: " + short_error(e))
-        if bar is not None:  # the bar counts compiled candidates; the rounds show in its postfix
-            bar.update(1)
+    compiled, compile_errors = _compile_all(
+        [functools.partial(registry.run_per_device, impl, run_problem, c) for c in candidates],
+        _call_of(run_problem, mesh), args, settings, bar, first_call=n == 1)
     measured = measure_interleaved(compiled, args, settings, bar)
     timings = [(c, None, why) if why is not None else (c, *m)
                for c, why, m in zip(candidates, compile_errors, measured)]
     return timings, n, proxy
+
+
+def _compile_all(runs: Sequence, call, args, settings: TuneSettings, bar,
+                 first_call: bool) -> tuple[list, list[str | None]]:
+    """Each candidate's timed step compiled, or None and why not. Tracing and lowering hold the GIL, so they go
+    one by one; compiling, and with `first_call` (one device) the first call, where kernels such as Mosaic
+    GPU's are built, run in threads, so that a machine's cores build several candidates at once. Calls over
+    several devices stay in one thread: two rings launched at once could wait on each other's collectives."""
+    import jax
+
+    lowered: list = []
+    errors: list[str | None] = []
+    for run in runs:
+        try:
+            lowered.append(jax.jit(timed_step(run, call, settings.backward)).lower(*args))
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not lower is skipped
+            lowered.append(None)
+            errors.append("compile: " + short_error(e))
+
+    def build(low):
+        try:
+            fn = low.compile()
+        except Exception as e:  # noqa: BLE001 - e.g. shared memory exceeded
+            return None, "compile: " + short_error(e)
+        try:
+            if first_call:
+                jax.block_until_ready(fn(*args))
+        except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED
+            return None, "run: " + short_error(e)
+        return fn, None
+
+    compiled: list = [None] * len(runs)
+    workers = max(1, min(len(runs), os.cpu_count() or 1, 8))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ringjax-compile") as ex:
+        futures = {ex.submit(build, low): i for i, low in enumerate(lowered) if low is not None}
+        for future in concurrent.futures.as_completed(futures):
+            compiled[futures[future]], errors[futures[future]] = future.result()
+            if bar is not None:  # the bar counts built candidates; the rounds show in its postfix
+                bar.update(1)
+    if bar is not None:
+        bar.update(sum(low is None for low in lowered))
+    return compiled, errors
 
 
 @contextlib.contextmanager
