@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -324,3 +325,28 @@ def test_measure_times_calls_back_to_back():
 
     seconds = autotuning.measure(compiled, (1.0,), autotuning.TuneSettings(warmup=2, repeats=3, back_to_back=4))
     assert len(calls) == 2 + 3 * 4 and seconds > 0
+
+
+def test_candidates_build_in_threads_in_order(monkeypatch):
+    """`_compile_all` keeps the candidates' order whatever order the threads finish in; a candidate that does
+    not lower says "compile:", one whose first call fails (on one device, built by that call) says "run:"."""
+    monkeypatch.setattr(autotuning, "timed_step", lambda run, call, backward: run)
+
+    def fails_at_run(x):
+        def boom(v):
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        return jax.pure_callback(boom, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def fails_to_lower(x):
+        raise ValueError("no such tile")
+
+    runs = [lambda x: jnp.sin(x), fails_to_lower, fails_at_run, lambda x: jnp.cos(x) * 2]
+    args = (jnp.arange(4.0),)
+    compiled, errors = autotuning._compile_all(runs, None, args, autotuning.TuneSettings(), None, first_call=True)
+    assert errors[0] is None and errors[3] is None
+    assert errors[1].startswith("compile: ValueError: no such tile") and compiled[1] is None
+    assert errors[2].startswith("run: ") and compiled[2] is None
+    np.testing.assert_allclose(compiled[0](*args), np.sin(np.arange(4.0)), rtol=1e-6)
+    np.testing.assert_allclose(compiled[3](*args), 2 * np.cos(np.arange(4.0)), rtol=1e-6)
+    compiled, errors = autotuning._compile_all(runs, None, args, autotuning.TuneSettings(), None, first_call=False)
+    assert errors[2] is None and compiled[2] is not None  # over several devices the first call waits for the rounds
