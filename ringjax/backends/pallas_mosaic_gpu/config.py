@@ -141,12 +141,11 @@ class MosaicGpuConfig(KernelConfig):
                         v_head_dim: int | None = None, alibi: bool = False) -> int:
         """Shared memory of the fused backward (`bwd_fused`): the dK/dV kernel's, plus its dS^T tiles per
         consumer and call parity, the K tiles' copy for dQ (`dq_k_copy`), with ALiBi the consumers' slope
-        gradient rows, the columns of their sums and the reduction scratch the rows take, and the 1 KiB
-        alignment a swizzled buffer may need."""
+        gradient rows and the reduction scratch their sums take, and the 1 KiB alignment a swizzled buffer may
+        need."""
         dkv = self.smem_bytes(head_dim, itemsize, segments, v_head_dim)["dkv"]
         k_copy = 2 * ROWS * head_dim * itemsize if dq_k_copy(head_dim, itemsize) else 0
-        # causal ALiBi also the consumers' [64, 16] columns its sums multiply dS^T by (counted either way)
-        slopes = _aligned(2 * ROWS * 4) + _aligned(2 * ROWS * 16 * itemsize) + REDUCTION_SCRATCH if alibi else 0
+        slopes = _aligned(2 * ROWS * 4) + REDUCTION_SCRATCH if alibi else 0
         return dkv + 4 * ROWS * self.dkv_block_q * itemsize + k_copy + slopes + 1024
 
     def split_bwd_reason(self, opts, head_dim: int, v_head_dim: int, itemsize: int = 2) -> str | None:

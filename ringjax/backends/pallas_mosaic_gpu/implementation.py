@@ -263,9 +263,12 @@ def default_config(problem: Problem) -> MosaicGpuConfig:
                                  persistent=may_skip(problem.opts))
     else:
         config = MosaicGpuConfig()
-        # dQ first under a causal mask too since its write became one commit a visit: 32K causal backward 528.8
-        # against 520.1 TFLOP/s, 8K within 1% (1 H100, jax 0.11.2, 2026-12-06, checks/..._step_causal_dq_order)
-        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True, bwd_dq_first=True)
+        # dQ first under a causal mask since its write became one commit a visit: 32K causal backward 528.8
+        # against 520.1 TFLOP/s, 8K within 1% (1 H100, jax 0.11.2, 2026-12-06, checks/..._step_causal_dq_order).
+        # Not causal, after dV: the tuner's pick at 8K and 32K (6.81 / 6.98 and 107.5 / 108.6 ms fwd+bwd over 3
+        # interleaved rounds), backward alone at 32K 560.5-562.6 against 549.1-553.3 TFLOP/s in three pairs of
+        # runs (1 H100, jax 0.11.2, 2026-12-06, checks/..._step_tuned_h100_{shipped,heuristic}*)
+        fused_bwd = dataclasses.replace(config, dkv_num_stages=2, bwd_fused=True, bwd_dq_first=problem.opts.causal)
         if _fuses_backward(problem) and fused_bwd.split_bwd_reason(problem.opts, *problem.head_dims,
                                                                    problem.itemsize) is None:
             config = fused_bwd
@@ -310,11 +313,12 @@ def _fuses_backward(problem: Problem) -> bool:
     soft cap 1.01 / 1.08; checks/nvidia-h200_2026-12-01_coverage_*_fused_bwd). Masks that skip blocks ran the fused
     backward at 0.68-0.95 of the split one there."""
     opts = problem.opts
-    # ALiBi's fused backward summing the slope gradient per score was exact on the GPU but slower: backward alone
+    # ALiBi's fused backward (its slope gradient summed per key) is exact on the GPU but slower: backward alone
     # 286 / 349 TFLOP/s against the split kernels' 410 / 440 at 8K / 32K causal (1 H100, jax 0.11.2, 2026-12-06,
-    # checks/..._coverage_alibi_fused_bwd); under ncu its consumers spilled 3x as much as plain's (the queries'
-    # offsets and the slope sums beside 240 registers). Causal, the tensor cores sum it now (`_SlopeSums`), not
-    # yet timed on a GPU; the heuristic keeps the split kernels
+    # checks/..._coverage_alibi_fused_bwd); under ncu its consumers spill 3x as much as plain's (the queries'
+    # offsets and the slope sums beside 240 registers). Summed by the tensor cores instead (a [64, 16] wgmma of dS^T
+    # a visit, as two 16-bit parts) it was slower still, 255 / 269, and was removed (same GPU and day,
+    # checks/..._coverage_alibi_fused_bwd_tensor_core_sums). The heuristic keeps the split kernels
     if problem.head_dims != (128, 128) or not _skips_causal_only(opts) or opts.has_alibi:
         return False
     heavy = opts.dropout_rate > 0 or opts.logits_soft_cap is not None
@@ -374,8 +378,8 @@ class PallasMosaicGpuImplementation:
             add(dataclasses.replace(split, dq_block_kv=dq_kv, dkv_num_stages=dkv_stages))
         fused = dataclasses.replace(base, bwd_fused=True, dq_block_kv=64, dkv_num_stages=2)
         fused_runs = fused.split_bwd_reason(opts, problem.head_dim, problem.v_head_dim, problem.itemsize) is None
-        # causal ALiBi's fused sums (`kernels._SlopeSums`) are exact in the interpreter and lower for CUDA but have
-        # not run on a GPU: the tuner, which compares times only, leaves them to an explicit config until they have
+        # causal ALiBi's fused backward ran at 0.6-0.8x the split kernels' in both forms measured (`_fuses_backward`):
+        # the tuner spends no compile on it; an explicit config still runs it
         fused_runs = fused_runs and not (opts.has_alibi and opts.causal)
         if fused_runs:
             for dq_first in (False, True):

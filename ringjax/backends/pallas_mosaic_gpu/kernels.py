@@ -311,57 +311,6 @@ class _Lag(NamedTuple):
     head: jax.Array
 
 
-class _SlopeSums(NamedTuple):
-    """Causal ALiBi's slope gradient in the fused backward, summed by the tensor cores: a key's is
-    sum over visits v and queries j of dS^T[k, j] (kpos_k - qpos_vj), and with kpos_k = kpos0 + k ks and
-    qpos_vj = qpos0_v + j qs it is k ks S2 + S1 - qs S0, where S0 sums dS^T[k, j] j, S1 (kpos0 - qpos0_v) times
-    a visit's row sum and S2 the row sums. One [64, 16] product a visit, dS^T by the columns (j, 1, 1, 0...),
-    gives a visit's three; each consumer keeps them in 8 floats a thread. Elementwise the queries' offsets (16
-    floats a thread) lived from the scores to the sums and the loop spilled: 0.7-0.8x the split kernels (1 H100,
-    2026-12-06, docs/performance.md)."""
-
-    walk: _Walk
-    columns: object  # [consumer, queries, 16] shared memory: (j, 1, 1, 0, ...)
-
-    COLS = 16  # the narrowest wgmma product that takes bf16 operands' K groups
-
-    def zeros(self):
-        return _zeros((ROWS, self.COLS))
-
-    def store_columns(self, wg, dtype):
-        """Each consumer's copy of the columns, once per CTA (a fence before wgmma reads them)."""
-        shape = (self.walk.block, self.COLS)
-        j = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        ones = (c == 1) | (c == 2)
-        self.columns.at[wg][...] = jnp.where(c == 0, j.astype(jnp.float32), jnp.where(ones, 1.0, 0.0)).astype(dtype)
-        plgpu.commit_smem()
-
-    def terms(self, ds, ds16, wg):
-        """The visit's product: a fresh accumulator and its terms, float32 dS^T from registers as two 16-bit
-        parts (`ds16`, the first where already rounded, and the rest): the gradient is a sum whose terms
-        cancel, and dS^T rounded to bf16 alone put it 11% off the float64 reference (zigzag, causal, dropout;
-        the interpreter), the two parts 2^-17 of a score."""
-        hi = ds.astype(self.columns.dtype) if ds16 is None else ds16
-        lo = (ds - hi.astype(jnp.float32)).astype(hi.dtype)
-        return (ROWS, self.COLS), [(part, self.columns.at[wg], False) for part in (hi, lo)]
-
-    def add(self, acc, visit, shift):
-        """acc + the visit's sums, S1's by shift = kpos0 - qpos0_v."""
-        c = plgpu.broadcasted_iota(jnp.int32, (self.COLS,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-        scale = jnp.where(c == 1, shift.astype(jnp.float32), jnp.where((c == 0) | (c == 2), 1.0, 0.0))
-        return acc + visit * lax.broadcast_in_dim(scale, visit.shape, [1])
-
-    def per_key(self, acc):
-        """Each key row's gradient: k ks S2 + S1 - qs S0."""
-        shape = acc.shape
-        k = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-        c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-        keys = (self.walk.row_stride * k).astype(jnp.float32)
-        weight = jnp.where(c == 0, float(-self.walk.col_stride), jnp.where(c == 1, 1.0, jnp.where(c == 2, keys, 0.0)))
-        return (acc * weight).sum(axis=1)
-
-
 class _Offsets(NamedTuple):
     """Query and key positions less a tile's origin o (float32 vectors): causal ALiBi's distances kept separable.
     Causal, every visible pair has j <= i, so -slope |i - j| = slope (j - o) - slope (i - o): the queries' term
@@ -1564,9 +1513,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     # whole swizzled rows, as wgmma wants its operands
     kdq_smem = r.take(1, with_dq and dq_k_copy(q_ref.shape[-1], jnp.dtype(q_ref.dtype).itemsize))
     slope_smem = r.take(1, slopes)  # [consumer, 64]: a key tile's slope gradient on its way out
-    # causal ALiBi: each consumer's [queries, 16] columns (j, 1, 1) that dS^T is multiplied by for its sums
-    # (`_SlopeSums`)
-    sums = _SlopeSums(walk, r.take(1)) if slopes and opts.causal else None
     # split: each consumer's P^T and dS^T over its half of a block's queries, in the epilogue's memory; barriers:
     # both stored them, both have read them
     stored, read = r.take(2, walk.split)
@@ -1702,9 +1648,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     scale = opts.softmax_scale
                     delta = plgpu.load(delta_smem.at[slot].at[qs], layout=plgpu.Layout.WGMMA.reduce(0)) * scale
                     dst = pt * (dpt * scale - lax.broadcast_in_dim(delta, dpt.shape, [1]))
-                    # ALiBi: d loss / d logit (times the scale), before the soft cap's factor, as in the dQ kernel
-                    slope_lhs = dst if sums is not None and t is not None else None
-                    if slopes and sums is None:
+                    if slopes:  # d loss / d logit (times the scale), before the soft cap's factor, as in the dQ kernel
                         slope = slope + _slope_grad(dst, dist, rows_are_queries=False)
                     if t is not None:
                         dst = dst * cap_slope(t)
@@ -1743,16 +1687,10 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                     accs = {"dv": dv, "dq": (bq, dq_cols), "dk": dk}
                     terms = {"dv": (pt16, do_smem.at[slot], False), "dq": dq_terms,
                              "dk": (dst16, q_smem.at[slot], False)}
-                    if sums is not None:  # last: dQ's write waits for nothing more
-                        order += ("slope",)
-                        accs["slope"], terms["slope"] = sums.terms(dst if slope_lhs is None else slope_lhs,
-                                                                   dst16 if slope_lhs is None else None, wg)
                     at = order.index("dq")
                     _, out = _mma_early([accs[n] for n in order], [terms[n] for n in order], at, write, emulate,
                                         before={at: share})
                     dv, dk = out[order.index("dv")], out[order.index("dk")]
-                    if sums is not None:
-                        slope = sums.add(slope, out[-1], kpos0 - qstart_ref[blk])
                     plgpu.barrier_arrive(free.at[slot])
                     return dk, dv, advance(lag, gi, blk), slope
 
@@ -1782,8 +1720,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
                 dk, dv, lag, slope = _walk_tile(span, my, step, carry, walk)
                 if slopes:
-                    write_slopes(slope if sums is None else sums.per_key(slope), gi)
-                    slope = slope_zeros()
+                    write_slopes(slope, gi)
+                    slope = _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1))
                 return dk, dv, lag, slope
 
             def advance(lag: _Lag, gi, blk, seen=True) -> _Lag:
@@ -1796,10 +1734,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                 """Consumer wg's half of the columns of dQ over both consumers' dS^T in `buf`."""
                 cols = pl.ds(pl.multiple_of(wg * dq_cols, dq_cols), dq_cols)
                 return [(_T(ds_smem.at[buf, j]), kdq.at[j].at[:, cols], False) for j in _parts(wg)], cols
-
-            def slope_zeros():
-                """A head's ALiBi sums before its first visit: per key, or `_SlopeSums`' tile."""
-                return _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if sums is None else sums.zeros()
 
             def write_slopes(acc, gi):
                 """ALiBi: this key tile's slope gradient over query head gi, written once (no other CTA has these
@@ -1820,9 +1754,7 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
             cols = [width // 2 if walk.split else width for width in (d, v_ref.shape[-1])]
             zero = jnp.int32(0)
             init = (*(_zeros((ROWS, c)) for c in cols), _Lag(zero, zero, zero) if with_dq else None,
-                    slope_zeros() if slopes else None)
-            if sums is not None:
-                sums.store_columns(wg, q_ref.dtype)
+                    _zeros((ROWS,), plgpu.Layout.WGMMA.reduce(1)) if slopes else None)
             if walk.split:  # nothing to read yet: the first block may store its tiles
                 plgpu.barrier_arrive(read.at[0])
             if with_dq:  # a visit before the first, of zeros: the first visit's product reads it and writes nothing
@@ -2113,9 +2045,6 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     if opts.has_alibi:  # the slope's gradient per (batch row, query head, key), times the scale
         kv_structs.append(_compat.struct_like((b, h, s), jnp.float32, args[0]))
         scratch.append(plgpu.SMEM((2, ROWS), jnp.float32))
-        if opts.causal:  # and the columns its sums multiply dS^T by (`_SlopeSums`)
-            cols = _SlopeSums.COLS
-            scratch.append(plgpu.SMEM((2, bq, cols), dt, transforms=_transforms(cols, dt)))
     # jax's GPU interpreter has no TMA reduce-add: there each consumer of each CTA writes its own copy, summed here
     parts = (walk.n_ctas, 2) if config.interpret else ()
     dq, dk, dv, *dslope = _launch(_dkv_kernel, args, kv_structs, scratch, grid=(kvh, walk.n_ctas, b), rows="k",
