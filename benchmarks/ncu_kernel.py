@@ -4,7 +4,7 @@
     python3 benchmarks/ncu_kernel.py summary $OUT/bwd                                         # anywhere
 
 `run` profiles one launch of the named kernel (after one warm-up launch) in a jitted forward+backward of
-`pallas_mosaic_gpu` (bf16, batch 1, 32 q / 8 kv heads, head_dim 128; `--causal`, `--alibi`, and `--config
+`pallas_mosaic_gpu` (bf16, batch 1, 32 q / 8 kv heads, head_dim 128; `--causal`, `--alibi`, `--window N`, and `--config
 KEY=VALUE,...` for a `MosaicGpuConfig` in place of the heuristic's), with the clocks left alone
 (`--clock-control none`), and exports the details page and the per-instruction (SASS) page as CSV. `summary`
 prints the kernel's duration, its local-memory (spill) requests, the warps' stall reasons, and the hot segments of
@@ -29,7 +29,8 @@ DETAILS = ("Duration", "Local Memory Spilling Requests", "Compute (SM) Throughpu
            "Registers Per Thread", "Warp Cycles Per Issued Instruction")
 
 
-def profiled_call(seq: int, causal: bool, alibi: bool = False, config: str | None = None) -> None:
+def profiled_call(seq: int, causal: bool, alibi: bool = False, config: str | None = None,
+                  window: int | None = None) -> None:
     """The program ncu runs: three jitted fwd+bwd calls."""
     import jax
     import jax.numpy as jnp
@@ -45,7 +46,8 @@ def profiled_call(seq: int, causal: bool, alibi: bool = False, config: str | Non
 
     def loss(q, k, v):
         o = ringjax.ring_attention(q, k, v, axis_name=None, causal=causal, implementation="pallas_mosaic_gpu",
-                                   alibi_slopes=slopes, config=cfg)
+                                   alibi_slopes=slopes, config=cfg,
+                                   sliding_window=(window, 0) if window else None)
         return jnp.vdot(o.astype(jnp.float32), do.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -67,6 +69,7 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     target = [sys.executable, __file__, "call", "--seq", str(args.seq)] + (["--causal"] if args.causal else [])
     target += (["--alibi"] if args.alibi else []) + (["--config", args.config] if args.config else [])
+    target += ["--window", str(args.window)] if args.window else []
     sections = [flag for name in SECTIONS for flag in ("--section", name)]
     subprocess.run(["ncu", "--clock-control", "none", "-k", f"regex:{args.kernel}", "--launch-skip", "1",
                     "--launch-count", "1", *sections, "-f", "-o", str(out), *target], check=True)
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
         p.add_argument("--causal", action="store_true")
         p.add_argument("--alibi", action="store_true", help="with ALiBi slopes")
         p.add_argument("--config", help="MosaicGpuConfig fields KEY=VALUE,... (default: the heuristic's config)")
+        p.add_argument("--window", type=int, help="a sliding window of this many keys to the left")
         if name == "run":
             p.add_argument("--kernel", default="ringjax_dkv_dq", help="kernel name (a regular expression)")
             p.add_argument("--out", required=True, help="report path, without suffix")
@@ -140,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--min-share", type=float, default=0.005)
     args = parser.parse_args(argv)
     if args.command == "call":
-        profiled_call(args.seq, args.causal, args.alibi, args.config)
+        profiled_call(args.seq, args.causal, args.alibi, args.config, args.window)
         return 0
     return run(args) if args.command == "run" else summary(args)
 
