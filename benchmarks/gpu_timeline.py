@@ -5,14 +5,17 @@
 For each feature (the `coverage` suite's keywords, bf16, batch 1, 32 q / 8 kv heads, head_dim 128, causal): 3
 warm-up calls, then 10 calls back to back under `jax.profiler.trace`; from its Perfetto trace, the span from the
 first kernel's start to the last one's end and the summed kernel time, per call, and the longest kernels by name.
-Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--implementation
-xla --seqs 512` checks the script on CPU (its "device" is then the host's thread pool).
+Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--variant
+KEY=VALUE,...` (repeatable) also times the config the call ran with those fields replaced, default and variants
+alternating for `--rounds` rounds. `--implementation xla --seqs 512` checks the script on CPU (its "device" is then
+the host's thread pool).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gzip
 import json
 import sys
@@ -25,7 +28,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
-from common import Shape, random_inputs  # noqa: E402
+from common import Shape, random_inputs, ringjax_log  # noqa: E402
 
 FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
 CALLS = 10
@@ -53,29 +56,49 @@ def main(argv=None) -> int:
     p.add_argument("--features", default=",".join(FEATURES), help=f"default {','.join(FEATURES)}")
     p.add_argument("--implementation", default="pallas_mosaic_gpu")
     p.add_argument("--out", type=Path, required=True, help="JSON lines, appended")
+    p.add_argument("--variant", type=bench.config_overrides, action="append", default=[],
+                   help="config fields KEY=VALUE,... to time beside the config the call runs (repeatable)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of default and variants, alternating")
     args = p.parse_args(argv)
     shape = Shape(1, 32, 8, 128, "bfloat16")
     for t in map(int, args.seqs.split(",")):
         features = {f[0]: f for f in bench.coverage_features(shape, t, argparse.Namespace(window=1024, chunk=2048))}
         q, k, v, _ = random_inputs(shape, t)
         for name in args.features.split(","):
-            fwd = jax.jit(bench.ringjax_attention(args.implementation, True, **features[name][2]))
-            for _ in range(3):
-                fwd(q, k, v).block_until_ready()
-            with tempfile.TemporaryDirectory() as d:
-                with jax.profiler.trace(d, create_perfetto_trace=True):
-                    outs = [fwd(q, k, v) for _ in range(CALLS)]
-                    jax.block_until_ready(outs)
-                span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
-            row = {"exp": "timeline", "feature": name, "T": t, "causal": True, "implementation": args.implementation,
-                   "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
-                   "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
-                   "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-            print(json.dumps(row), flush=True)
-            with args.out.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            base, fwds = None, []
+            for overrides in [{}] + args.variant:
+                config = dataclasses.replace(base, **overrides) if overrides else None
+                fwd = jax.jit(bench.ringjax_attention(args.implementation, True, config=config, **features[name][2]))
+                with ringjax_log() as log:
+                    for _ in range(3):
+                        fwd(q, k, v).block_until_ready()
+                if base is None and log.reports:
+                    base = log.reports[-1].config  # the config the call ran, which the variants vary
+                if base is None and args.variant:
+                    raise SystemExit(f"--variant: {args.implementation} logged no config to vary")
+                fwds.append((overrides, fwd))
+            for round_ in range(args.rounds):
+                for overrides, fwd in fwds:
+                    row = {"variant": bench.variant_name(overrides), "round": round_} if args.variant else {}
+                    timeline(args, fwd, (q, k, v), {"feature": name, "T": t, **row}, shape)
     return 0
+
+
+def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
+    """Time `CALLS` calls of the warm `fwd` on the GPU's timeline and write the row."""
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            outs = [fwd(*inputs) for _ in range(CALLS)]
+            jax.block_until_ready(outs)
+        span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
+    row = {"exp": "timeline", **case, "causal": True, "implementation": args.implementation,
+           "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
+           "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
+           "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    print(json.dumps(row), flush=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

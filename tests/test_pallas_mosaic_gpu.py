@@ -358,6 +358,43 @@ def test_persistent_items_are_dealt_once(ctas, skip):
     assert not any(counts[c] and tuple(items[c, 0]) in heaviest for c in range(skip))
 
 
+# the forward's half blocks (`MosaicGpuConfig.half_blocks`): 128-key blocks, whose causal diagonals and window,
+# chunk and document edges leave half a block hidden from a 64-row tile
+HALF = MosaicGpuConfig(block_kv=128, dq_block_kv=64, dkv_block_q=64, interpret=not ON_HOPPER)
+HALF_CASES = [
+    ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True)),
+    ("contiguous", 1, 0, 0, 512, "float16", dict(causal=True, window=(100, 0), logits_soft_cap=4.0)),
+    ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, chunk_size=96)),
+    ("striped", 2, 1, 1, 256, "float16", dict(causal=True, alibi=True)),  # position stride 2
+    ("contiguous", 1, 0, 0, 512, "bfloat16", dict(causal=True, window=(70, 0), num_sink_tokens=5,
+                                                  dropout_rate=0.2)),
+    ("contiguous", 1, 0, 0, 256, "float16", dict(causal=True, segments=True)),
+    ("contiguous", 2, 0, 1, 256, "bfloat16", dict(window=(20, 100))),  # keys ahead, not causal
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout, n, shard, src, local, dtype, kw", HALF_CASES)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (6, 3)])  # paired heads, and two row tiles per CTA
+def test_step_half_blocks(layout, n, shard, src, local, dtype, kw, heads, kv_heads, monkeypatch):
+    """The forward with half-wide scores on the blocks `visits.half_flags` marks, against the float64 reference;
+    the case does mark some (else it would test nothing new)."""
+    from ringjax.backends.pallas_mosaic_gpu import kernels
+
+    flags_of, marked = kernels.half_flags, []
+
+    def spy(*args):
+        flags = flags_of(*args)
+        marked.append(int(np.asarray(flags).sum()))
+        return flags
+
+    monkeypatch.setattr(kernels, "half_flags", spy)
+    kw, batch, segments = _with_docs(kw, local * n)
+    _check_step(layout, n, shard, src, local, dtype, 128 if ON_HOPPER else 64, heads, kv_heads, batch=batch,
+                segments=segments, config=HALF, backward=False, **kw)
+    assert sum(marked) > 0, "no half block in this case"
+
+
 HEAD_DIM_CASES = [
     ("contiguous", 2, 1, 1, 256, "bfloat16", dict(causal=True)),
     ("zigzag", 2, 1, 0, 256, "float16", dict(causal=True, alibi=True, dropout_rate=0.2)),

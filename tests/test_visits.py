@@ -10,10 +10,12 @@ from jax.sharding import PartitionSpec as P
 from ringjax.core import ring, shards
 from ringjax.core.masks import StepOptions, TokenInfo
 from ringjax.core.schedule import ring_plan
-from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
+from ringjax.core.visits import block_starts, half_flags, on_device, range_table, sink_range_table
+from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
 from harness import need_devices
+from reference import mask_reference
 
 T = 512  # tokens per device: 8 query blocks of 64, 4 key blocks of 128
 
@@ -100,3 +102,62 @@ def test_long_operands_stay_in_xla(monkeypatch):
     assert isinstance(on_device(_tables(opts), opts, info, info)[0], np.ndarray)
     monkeypatch.setattr(visits, "STATIC_TOKENS", T - 1)
     assert jax.make_jaxpr(lambda: on_device(_tables(opts), opts, info, info))().eqns
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("kw", MASKS + [dict(causal=True, segments=True), dict(causal=True, window=(70, 0),
+                                                                              num_sink_tokens=3, segments=True)])
+def test_half_flags_mark_only_hidden_halves(layout, kw):
+    """A flagged half block (`half_flags`) shows the tile no pair under the float64 reference's mask, on every
+    step of a ring of 2; and the causal diagonals and window edges do get flagged, so the forward's half-wide
+    scores run."""
+    kw = dict(kw)
+    n, total = 2, 2 * T
+    seg = None
+    if kw.pop("segments", False):
+        rng = np.random.default_rng(3)
+        seg = np.searchsorted(np.sort(rng.choice(np.arange(1, total), 5, replace=False)), np.arange(total),
+                              side="right")[None].astype(np.int32)
+    opts = AttentionOptions(layout=layout, axis_size=n, has_segments=seg is not None, **kw)
+    mask = mask_reference(total, causal=opts.causal, window=opts.window, segment_ids=seg,
+                          chunk_size=opts.chunk_size, num_sink_tokens=opts.num_sink_tokens)[0]
+    flagged = prefixed = 0
+    for shard in range(n):
+        for src in range(n):
+            qpos, kpos = (local_positions(layout, r, n, T, xp=np) for r in (shard, src))
+
+            def info(pos):
+                return TokenInfo(pos, None if seg is None else seg[:, pos],
+                                 (pos[None] if seg is None else _doc_offsets(seg)[:, pos]) if opts.num_sink_tokens
+                                 else None)
+
+            table = (sink_range_table if opts.num_sink_tokens else range_table)(opts, info(qpos), info(kpos), 64, 128)
+            if table is None:
+                continue
+            flags = half_flags(opts, info(qpos), info(kpos), 64, 128, table)
+            for tile in range(T // 64):
+                lo, hi = table[0, tile, -4], table[0, tile, -1]
+                rows = mask[qpos[tile * 64:(tile + 1) * 64]]
+                halves = [(flags[0, tile, 0], 2 * lo, hi > lo), (flags[0, tile, 1], 2 * hi - 1, hi > lo)]
+                if table.shape[-1] == 6:  # the sink tokens' prefix
+                    plo, phi = table[0, tile, 0], table[0, tile, 1]
+                    halves.append((flags[0, tile, 2], 2 * phi - 1, phi > plo))
+                    prefixed += int(flags[0, tile, 2])
+                for flag, half, some in halves:
+                    if flag:
+                        assert some and not rows[:, kpos[half * 64:(half + 1) * 64]].any(), (shard, src, tile)
+                        flagged += 1
+                assert not (flags[0, tile].all() and hi - lo == 1), "one block flagged twice"
+    if opts.causal:
+        assert flagged, "no half flagged where a diagonal leaves one"
+    if opts.num_sink_tokens and opts.window is not None and seg is None:
+        assert prefixed, "no half flagged in the sink tokens' block"
+
+
+def _doc_offsets(seg):
+    """[B, T] offset of each token within its run of equal ids."""
+    out = np.zeros_like(seg)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            out[b, t] = out[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    return out

@@ -103,6 +103,31 @@ def sink_range_table(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInf
     return xp.stack([plo, phi, lo, flo, fhi, hi], axis=-1).astype(np.int32)
 
 
+def half_flags(opts: AttentionOptions, q_info: TokenInfo, k_info: TokenInfo, bq: int, bk: int, table):
+    """int32 [Bl, n_q, 2 or 3] (lo_half, hi_half[, prefix_half]) of a forward visit table (`range_table`'s, or
+    `sink_range_table`'s, whose prefix adds the third): 1 where no query of the tile sees a key of the first
+    half of block lo (lo_half) or of the second half of block hi - 1 (hi_half, prefix_half: of block phi - 1)
+    under the whole mask, so a kernel may score only the other half of that block. A causal diagonal or a
+    window's edge leaves a quarter of a 64-row tile's 128-key block visible, and sink tokens a few keys of
+    theirs: half of such a block is hidden whole. Never both for one block (it is visited once)."""
+    xp = array_module(q_info.pos)
+    maybe = block_tables(opts, q_info, k_info, bq, bk // 2)[0]  # [Bl, n_q, 2 n_k]
+    lo, hi = table[..., -4], table[..., -1]
+    maybe = xp.broadcast_to(maybe, (*lo.shape, maybe.shape[-1]))
+
+    def hidden(half):
+        at = xp.clip(half, 0, maybe.shape[-1] - 1)[..., None]
+        return ~xp.take_along_axis(maybe, at, axis=-1)[..., 0]
+
+    some = hi > lo
+    lo_half = some & hidden(2 * lo)
+    flags = [lo_half, some & hidden(2 * hi - 1) & ~(lo_half & (hi - lo == 1))]
+    if table.shape[-1] == 6:  # the sink tokens' prefix [plo, phi), before [lo, hi)
+        plo, phi = table[..., 0], table[..., 1]
+        flags.append((phi > plo) & hidden(2 * phi - 1))
+    return xp.stack(flags, axis=-1).astype(np.int32)
+
+
 def bounds(maybe, full):
     """int32 [..., 4] (lo, flo, fhi, hi) per row of bool [..., m] tables over column blocks.
 

@@ -94,6 +94,9 @@ class MosaicGpuConfig(KernelConfig):
     pass), the forward launches one CTA per SM that walks row tiles sorted by their work
     (`kernels._Persist`), so one tile's pipeline fill and epilogue overlap the next tile's loads; in a
     fused pass the first CTAs copy K/V before their first tile. False: a CTA per row tile.
+    `half_blocks`: the forward scores only the visible half of a masked block at either end of a row tile's
+    keys where the other half is hidden from the whole tile (a causal diagonal, a window's or a chunk's edge:
+    a quarter of such a block is visible to a 64-row tile), with half-wide wgmma products (`visits.half_flags`).
     `interpret=True` runs the same kernels in jax's GPU interpreter on any platform, with the block
     matmuls as jnp.dot: for eager per-step tests on CPU (slow; under jit the interpreter can stall on
     hosts with few cores).
@@ -112,6 +115,7 @@ class MosaicGpuConfig(KernelConfig):
     bwd_reverse: bool = False
     fused: bool = False
     persistent: bool = True
+    half_blocks: bool = True
     interpret: bool = False
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, segments: bool = False,

@@ -82,7 +82,7 @@ from ringjax.core.modifiers import (
 )
 from ringjax.core.schedule import reach
 from ringjax.core.tiles import block_stride
-from ringjax.core.visits import block_starts, on_device, range_table, sink_range_table
+from ringjax.core.visits import block_starts, half_flags, on_device, range_table, sink_range_table
 from ringjax.options import AttentionOptions
 
 _LN2 = math.log(2.0)
@@ -113,6 +113,14 @@ class _Walk:
     split: bool = False
     # the main range's blocks walked last first (dK/dV under a causal mask: `MosaicGpuConfig.bwd_reverse`)
     reverse: bool = False
+    # the table's rows end with `visits.half_flags`: a masked block at either end of the main range (or at the end
+    # of the prefix) whose other half the tile cannot see is scored half-wide (`MosaicGpuConfig.half_blocks`)
+    halves: bool = False
+
+    @property
+    def columns(self) -> int:
+        """Bounds per row of the visit table, the half flags aside."""
+        return 6 if self.prefix else 4
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -143,14 +151,38 @@ def _zeros(shape, layout=None):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), layout or plgpu.Layout.WGMMA)
 
 
-def _segments(seg_ref, smem, bar, b, block, size: int, wg, axis: int):
+def _segments(seg_ref, smem, bar, b, block, size: int, wg, axis: int, part=None):
     """Segment ids of block `block` of `size` tokens of batch row b, loaded through this consumer's shared
-    memory in the wgmma layout of a tile's rows (axis 1) or columns (axis 0); None without segments."""
+    memory in the wgmma layout of a tile's rows (axis 1) or columns (axis 0); None without segments.
+    `part`: only those of the block's tokens (a half block, `_Keys.part`)."""
     if seg_ref is None:
         return None  # before any index arithmetic: kernels without segments trace none of it
     plgpu.copy_gmem_to_smem(seg_ref.at[b, pl.ds(block * size, size)], smem.at[wg], bar.at[wg])
     plgpu.barrier_wait(bar.at[wg])
-    return plgpu.load(smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(axis))
+    ids = smem.at[wg] if part is None else smem.at[wg, part]
+    return plgpu.load(ids, layout=plgpu.Layout.WGMMA.reduce(axis))
+
+
+class _Keys(NamedTuple):
+    """The rows of a streamed block that one visit scores: all (`part` None), or one half (`_block_keys`)."""
+
+    start: int
+    width: int
+    part: slice | None
+
+    def of(self, ref):
+        """ref (one slot of a streamed block's rows), cut to these rows."""
+        return ref if self.part is None else ref.at[self.part]
+
+
+def _block_keys(kind: str, block: int) -> _Keys:
+    """What a visit of `kind` scores of a `block`-row streamed block: all of it, or (the forward's half blocks,
+    "half0" / "half1", `_walk_tile`) its first or second half."""
+    if kind not in ("half0", "half1"):
+        return _Keys(0, block, None)
+    half = block // 2
+    start = half if kind == "half1" else 0
+    return _Keys(start, half, pl.ds(start, half))
 
 
 class _Pos(NamedTuple):
@@ -338,18 +370,20 @@ def _slope_grad(ds, dist, rows_are_queries: bool = True):
 
 
 def _bounds(rng_ref, row, tile, n_blocks: int, walk: _Walk):
-    """(plo, phi, lo, flo, fhi, hi) of one tile; an empty range gets its bounds at n_blocks."""
-    big = jnp.int32(n_blocks)
+    """(plo, phi, lo, flo, fhi, hi, lo_half, hi_half, prefix_half) of one tile; an empty range gets its bounds at
+    n_blocks. The half flags (0 or 1, 0 unless `walk.halves`): block lo / hi - 1 / phi - 1 is scored half-wide."""
+    big, z = jnp.int32(n_blocks), jnp.int32(0)
     if not walk.ranged:
-        z = jnp.int32(0)
-        return z, z, z, z, big, big
-    vals = [rng_ref[row, tile, c] for c in range(6 if walk.prefix else 4)]
+        return z, z, z, z, big, big, z, z, z
+    vals = [rng_ref[row, tile, c] for c in range(walk.columns)]
     prefix = vals[:2] if walk.prefix else [big, big]
     lo, flo, fhi, hi = vals[-4:]
     empty = hi <= lo
     main = [jnp.where(empty, big, x) for x in (lo, flo, fhi, hi)]
     pempty = prefix[1] <= prefix[0]
-    return (*[jnp.where(pempty, big, x) for x in prefix], *main)
+    halves = [rng_ref[row, tile, walk.columns + c] for c in range(3 if walk.prefix else 2)] if walk.halves else []
+    halves += [z] * (3 - len(halves))
+    return (*[jnp.where(pempty, big, x) for x in prefix], *main, *halves)
 
 
 def _span(b0, b1, lo_i: int, hi_i: int):
@@ -415,18 +449,30 @@ def _walk_tile(span: _Span, bounds, body, carry, walk: _Walk):
 
     if not walk.ranged:  # the mask hides nothing: one loop, no masked or skipped bodies in the code
         return run_main([(span.lo, span.lo + span.n, "full")], carry)
-    plo, phi, lo, flo, fhi, hi = bounds
+    plo, phi, lo, flo, fhi, hi, lo_half, hi_half, prefix_half = bounds
     if walk.prefix:
         end = span.plo + span.pn
         a, z = (jnp.clip(x, span.plo, end) for x in (plo, phi))
         z = jnp.maximum(z, a)
-        for start, stop, kind in ((span.plo, a, "skip"), (a, z, "masked"), (z, end, "skip")):
+        runs = [(span.plo, a, "skip"), (a, z, "masked"), (z, end, "skip")]
+        if walk.halves:  # the sink tokens' last block scored on its first half
+            y = z - jnp.where(z > a, prefix_half, 0)
+            runs[1:2] = [(a, y, "masked"), (y, z, "half0")]
+        for start, stop, kind in runs:
             carry = run(start, stop, kind, span.plo, 0, carry)
     end = span.lo + span.n
     tlo, flo, fhi, thi = (jnp.clip(x, span.lo, end) for x in (lo, flo, fhi, hi))
     thi = jnp.maximum(thi, tlo)
-    return run_main([(span.lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
-                     (thi, end, "skip")], carry)
+    if not walk.halves:
+        return run_main([(span.lo, tlo, "skip"), (tlo, flo, "masked"), (flo, fhi, "full"), (fhi, thi, "masked"),
+                         (thi, end, "skip")], carry)
+    # block lo scored on its second half ("half1"), block hi - 1 on its first ("half0"), each as a run of its
+    # own; the masked runs give them up (never a fully visible block: a half of it is hidden)
+    a, z = tlo + lo_half, thi - hi_half
+    assert not span.reverse, "half blocks: the forward's walk, in order"
+    return run_main([(span.lo, tlo, "skip"), (tlo, a, "half1"), (a, jnp.minimum(flo, z), "masked"),
+                     (flo, fhi, "full"), (jnp.maximum(fhi, a), z, "masked"), (z, thi, "half0"), (thi, end, "skip")],
+                    carry)
 
 
 def _write_rows(acc, smem, wg, dst, first: int = 0, add: bool = False) -> int:
@@ -876,27 +922,31 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                             wait_next_k(i)
                             return carry
 
+                        # a half block ("half0" / "half1", `_walk_tile`): only that half's keys, `width` of them
+                        keys = _block_keys(kind, bk)
+                        width, masked = keys.width, kind != "full"
+                        col0 = kstart[blk] + keys.start * walk.col_stride
                         # the other consumer's softmax runs while this matmul does
-                        s = _mma_fresh((ROWS, bk), q_smem.at[wg], k_smem.at[slot], transpose_b=True,
+                        s = _mma_fresh((ROWS, width), q_smem.at[wg], keys.of(k_smem.at[slot]), transpose_b=True,
                                        between=schedule, emulate=emulate)
                         plgpu.barrier_arrive(k_free.at[slot])
                         pos = None
-                        if _needs_positions(opts, kind, alibi_by_column=separable):
-                            pos = _tile_positions(s.shape, qpos0, kstart[blk], walk)
+                        if _needs_positions(opts, "masked" if masked else kind, alibi_by_column=separable):
+                            pos = _tile_positions(s.shape, qpos0, col0, walk)
                         if separable:
-                            cols = pos.cols if pos is not None else _tile_columns(bk, kstart[blk], walk)
+                            cols = pos.cols if pos is not None else _tile_columns(width, col0, walk)
                             bias = mods.column_bias(cols, qpos0)
                             s = logits2(s, opts)[0] + lax.broadcast_in_dim(bias, s.shape, [1])
                         elif fold:
                             s = folded_scores(s, opts)
                         else:
                             s, _ = _scores2(s, opts, mods.distance(pos), mods)
-                        if kind == "masked":
-                            kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0)
+                        if masked:
+                            kseg = _segments(kseg_j, kseg_smem, seg_bar, b, blk, bk, wg, 0, keys.part)
                             s = jnp.where(_mask(opts, s.shape, pos, True, qseg, kseg), s, -jnp.inf)
                         m_new = jnp.maximum(m, s.max(axis=1) * scale)
                         # rows that have seen no key keep m = -inf; shift them by 0 so exp2 gives exact zeros
-                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if kind == "masked" else m_new
+                        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
                         alpha = jnp.exp2(m - m_use)
                         p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
                         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
@@ -911,7 +961,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                         plgpu.barrier_wait(sched)
 
                         # the next K's barrier is awaited while this matmul runs
-                        (acc,) = _mma([acc], [(p16, v_smem.at[slot], False)], emulate,
+                        (acc,) = _mma([acc], [(p16, keys.of(v_smem.at[slot]), False)], emulate,
                                       between=lambda: wait_next_k(i))
                         plgpu.barrier_arrive(v_free.at[slot])
                         return acc, m_new, row_sum
@@ -1004,7 +1054,7 @@ def _keys_natural(opts: AttentionOptions) -> bool:
 
 
 def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, groups: int, *, transpose: bool,
-              pair_heads: bool = True, prefix: bool = False, split: bool = False) -> _Walk:
+              pair_heads: bool = True, prefix: bool = False, split: bool = False, halves: bool = False) -> _Walk:
     """Pairing and strides of one launch: `t // 64` row tiles against `s // block` streamed blocks."""
     q_len, k_len, bq, bk = (s, t, block, ROWS) if transpose else (t, s, ROWS, block)
     strides = (block_stride(opts, q_len, bq), block_stride(opts, k_len, bk, natural=_keys_natural(opts)))
@@ -1015,7 +1065,7 @@ def _walk_for(opts: AttentionOptions, t: int, s: int, block: int, stages: int, g
                  col_stride=strides[not transpose],
                  # two row tiles per CTA; the dK/dV kernel's last CTA may have one (`_dkv_kernel`'s `spare`)
                  n_ctas=n_tiles if pair_heads or split else -(-n_tiles // 2) if transpose else n_tiles // 2,
-                 prefix=prefix, split=split)
+                 prefix=prefix, split=split, halves=halves and may_skip(opts))
 
 
 def _unify(args):
@@ -1077,18 +1127,22 @@ def _has_prefix(opts: AttentionOptions) -> bool:
 
 
 def _visit_table(opts: AttentionOptions, rows: TokenInfo, cols: TokenInfo, row_size: int, col_size: int,
-                 transpose: bool = False):
+                 transpose: bool = False, halves: bool = False):
     """`visits.range_table`, or with sink tokens (queries as rows) `visits.sink_range_table` whose rows start
-    with a prefix range; a placeholder the kernel never reads when the mask hides nothing."""
+    with a prefix range, each row ending with `visits.half_flags` where `halves`; a placeholder the kernel never
+    reads when the mask hides nothing."""
+    xp = array_module(rows.pos)
     if _sink_rows(opts, transpose):
         rng = sink_range_table(opts, rows, cols, row_size, col_size)
     else:
         rng = range_table(opts, rows, cols, row_size, col_size, transpose=transpose)
-    return array_module(rows.pos).zeros((1, 1, 6), np.int32) if rng is None else rng
+    if rng is None:
+        return xp.zeros((1, 1, 8), np.int32)
+    return xp.concatenate([rng, half_flags(opts, rows, cols, row_size, col_size, rng)], axis=-1) if halves else rng
 
 
 def _step_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenInfo], q_block: int, k_block: int,
-                 fused: bool, transpose: bool = False, order_walk: "_Walk | None" = None):
+                 fused: bool, transpose: bool = False, order_walk: "_Walk | None" = None, halves: bool = False):
     """A launch's inputs that follow from positions: (visit tables per source, queries as rows or with
     `transpose` keys; query block starts; key block starts per source; a persistent launch's item order for
     `order_walk`, else None). Constants where the positions are static (`visits.on_device`): a 1K causal
@@ -1098,7 +1152,7 @@ def _step_tables(opts: AttentionOptions, q_info: TokenInfo, k_infos: list[TokenI
         if transpose:
             visits = [_visit_table(opts, x, q_info, k_block, q_block, transpose=True) for x in k_infos]
         else:
-            visits = [_visit_table(opts, q_info, x, q_block, k_block) for x in k_infos]
+            visits = [_visit_table(opts, q_info, x, q_block, k_block, halves=halves) for x in k_infos]
         order = None
         if order_walk is not None:
             order = _persistent_order(visits if order_walk.ranged else None, order_walk, array_module(q_info.pos))
@@ -1136,15 +1190,16 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bk = _fit(s, config.block_kv, opts, natural=_keys_natural(opts))
+    # half a block is the K of a P V product: at least one 128-byte swizzled row of V (64 bf16 keys)
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
-                     prefix=_has_prefix(opts))
+                     prefix=_has_prefix(opts), halves=config.half_blocks and bk >= 128)
     has_seg = q_info.seg is not None
     # a fused pass's row tiles visit the blocks of every source; it persists only up to 64 blocks: its copy
     # CTAs start their items late, which cost 2% at 8K tokens per GPU (128 blocks) and gained 3% at 4K
     # (2 H100, 2026-11-27, benchmarks/results/checks/)
     persist = config.persistent and _short_rows(opts, s * len(k_infos), bk, most=128 if ring is None else 64)
     rng, qstarts, kstarts, order = _step_tables(opts, q_info, k_infos, ROWS, bk, ring is not None,
-                                                order_walk=walk if persist else None)
+                                                order_walk=walk if persist else None, halves=walk.halves)
     args = _unify([q, k, v, rng, qstarts, kstarts, *_segment_tables(opts, q_info, k_infos, ring is not None),
                    *_mod_args(opts, extras, h)])
     dt, dv = q.dtype, v.shape[3]
@@ -1281,7 +1336,7 @@ def _persistent_order(tables, walk: _Walk, xp=jnp):
         return xp.arange(walk.n_ctas, dtype=np.int32)
     steps = 0
     for rng in tables:
-        rng = rng.sum(axis=0)  # [tiles, 4 or 6]
+        rng = rng[..., :walk.columns].sum(axis=0)  # [tiles, 4 or 6]
         steps = steps + xp.maximum(rng[:, -1] - rng[:, -4], 0)
         if walk.prefix:
             steps = steps + xp.maximum(rng[:, 1] - rng[:, 0], 0)
