@@ -649,6 +649,17 @@ def test_ring_matches_reference(n, layout, dtype, xkw, kw):
 
 @hopper_only
 @pytest.mark.parametrize("n, layout, dtype, xkw, kw", [c for c in RING_CASES if max(
+    c[3]["head_dim"], c[3].get("v_head_dim") or 0) <= 128 and (c[4] or c[3].get("segments"))])
+def test_ring_half_blocks_match_reference(n, layout, dtype, xkw, kw):
+    """The whole op with 128-key forward blocks, whose masked edges run half-wide (`half_blocks`), as the
+    heuristic config runs them."""
+    x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
+    got = run_ring(x, n, layout=layout, implementation="pallas_mosaic_gpu", config=HALF, **kw)
+    check_against_reference(got, reference_for(x, **kw), dtype)
+
+
+@hopper_only
+@pytest.mark.parametrize("n, layout, dtype, xkw, kw", [c for c in RING_CASES if max(
     c[3]["head_dim"], c[3].get("v_head_dim") or 0) <= 128 and not c[3].get("alibi")])
 def test_ring_fused_backward_matches_reference(n, layout, dtype, xkw, kw):
     x = make_inputs(n * 5 + len(kw), dtype=dtype, **xkw)
