@@ -96,7 +96,8 @@ class MosaicGpuConfig(KernelConfig):
     fused pass the first CTAs copy K/V before their first tile. False: a CTA per row tile.
     `half_blocks`: the forward scores only the visible half of a masked block at either end of a row tile's
     keys where the other half is hidden from the whole tile (a causal diagonal, a window's or a chunk's edge:
-    a quarter of such a block is visible to a 64-row tile), with half-wide wgmma products (`visits.half_flags`).
+    a quarter of such a block is visible to a 64-row tile), with half-wide wgmma products (`visits.half_flags`);
+    the step kernels only (a `fused` ring pass keeps whole blocks).
     `interpret=True` runs the same kernels in jax's GPU interpreter on any platform, with the block
     matmuls as jnp.dot: for eager per-step tests on CPU (slow; under jit the interpreter can stall on
     hosts with few cores).

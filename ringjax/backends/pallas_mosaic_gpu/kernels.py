@@ -1190,9 +1190,11 @@ def _forward(q, k, v, q_info: TokenInfo, k_infos: list[TokenInfo], extras: Extra
     s, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     bk = _fit(s, config.block_kv, opts, natural=_keys_natural(opts))
-    # half a block is the K of a P V product: at least one 128-byte swizzled row of V (64 bf16 keys)
+    # half a block is the K of a P V product: at least one 128-byte swizzled row of V (64 bf16 keys); a fused
+    # ring pass keeps whole blocks until it has run on GPUs with them (its per-source tables would carry the flags)
+    halves = config.half_blocks and bk >= 128 and ring is None
     walk = _walk_for(opts, t, s, bk, config.num_stages, g, transpose=False, pair_heads=config.pair_heads,
-                     prefix=_has_prefix(opts), halves=config.half_blocks and bk >= 128)
+                     prefix=_has_prefix(opts), halves=halves)
     has_seg = q_info.seg is not None
     # a fused pass's row tiles visit the blocks of every source; it persists only up to 64 blocks: its copy
     # CTAs start their items late, which cost 2% at 8K tokens per GPU (128 blocks) and gained 3% at 4K
