@@ -11,6 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def document_offsets(segment_ids):
+    """int [B, T]: each token's offset within its run of equal ids."""
+    seg = np.asarray(segment_ids)
+    offset = np.zeros(seg.shape, int)
+    for b in range(seg.shape[0]):
+        for t in range(1, seg.shape[1]):
+            offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    return offset
+
+
 def mask_reference(seq, *, causal=False, window=None, segment_ids=None, chunk_size=None, num_sink_tokens=0):
     """bool [B or 1, T, T]: may query i see key j."""
     i = np.arange(seq)[:, None]
@@ -29,12 +39,7 @@ def mask_reference(seq, *, causal=False, window=None, segment_ids=None, chunk_si
         seg = np.asarray(segment_ids)
         same = (seg[:, :, None] == seg[:, None, :]) & (seg >= 0)[:, :, None]
     m = m & same
-    # offset of each token within its run of equal ids (the whole sequence without segments)
-    seg = np.zeros((1, seq), int) if segment_ids is None else np.asarray(segment_ids)
-    offset = np.zeros(seg.shape, int)
-    for b in range(seg.shape[0]):
-        for t in range(1, seq):
-            offset[b, t] = offset[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
+    offset = document_offsets(np.zeros((1, seq), int) if segment_ids is None else segment_ids)
     if chunk_size is not None:  # chunks restart at every document
         chunk = offset // chunk_size
         m = m & (chunk[:, :, None] == chunk[:, None, :])

@@ -24,7 +24,7 @@ from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
 from harness import ON_HOPPER, check_against_reference, make_inputs, need_devices, reference_for, rel_err, run_ring
-from reference import dropout_keep_reference, mask_reference
+from reference import document_offsets, dropout_keep_reference, mask_reference
 
 _WHY_NOT = None if ON_HOPPER else interpreter_refusal()
 needs_kernels = pytest.mark.skipif(_WHY_NOT is not None, reason=f"the Mosaic GPU kernels cannot run here: {_WHY_NOT}")
@@ -133,7 +133,7 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
     mods, extras = _modifiers(rng, alibi, dropout_rate, batch, heads, total, qpos, kpos)
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
     # a token's offset in its document (what sink tokens read): without segments its position
-    offsets = np.arange(total)[None] if seg is None else _offsets(seg)
+    offsets = np.arange(total)[None] if seg is None else document_offsets(seg)
     segpos = (lambda pos: jnp.asarray(offsets[:, pos])) if opts.num_sink_tokens else (lambda pos: None)  # noqa: E731
     qi = TokenInfo(jnp.asarray(qpos), None if seg is None else jnp.asarray(seg[:, qpos]), segpos(qpos))
     ki = TokenInfo(jnp.asarray(kpos), None if seg is None else jnp.asarray(seg[:, kpos]), segpos(kpos))
@@ -182,15 +182,6 @@ def _docs(batch, total):
         seg[b] = np.searchsorted(cuts, np.arange(total), side="right")
     seg[0, -37:] = -1
     return seg
-
-
-def _offsets(seg):
-    """[B, T] offset of each token within its run of equal ids (the float64 reference's own count)."""
-    out = np.zeros_like(seg)
-    for b in range(seg.shape[0]):
-        for t in range(1, seg.shape[1]):
-            out[b, t] = out[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
-    return out
 
 
 def _with_docs(kw, total):

@@ -15,7 +15,7 @@ from ringjax.layouts import local_positions
 from ringjax.options import AttentionOptions
 
 from harness import need_devices
-from reference import mask_reference
+from reference import document_offsets, mask_reference
 
 T = 512  # tokens per device: 8 query blocks of 64, 4 key blocks of 128
 
@@ -128,7 +128,7 @@ def test_half_flags_mark_only_hidden_halves(layout, kw):
 
             def info(pos):
                 return TokenInfo(pos, None if seg is None else seg[:, pos],
-                                 (pos[None] if seg is None else _doc_offsets(seg)[:, pos]) if opts.num_sink_tokens
+                                 (pos[None] if seg is None else document_offsets(seg)[:, pos]) if opts.num_sink_tokens
                                  else None)
 
             table = (sink_range_table if opts.num_sink_tokens else range_table)(opts, info(qpos), info(kpos), 64, 128)
@@ -152,12 +152,3 @@ def test_half_flags_mark_only_hidden_halves(layout, kw):
         assert flagged, "no half flagged where a diagonal leaves one"
     if opts.num_sink_tokens and opts.window is not None and seg is None:
         assert prefixed, "no half flagged in the sink tokens' block"
-
-
-def _doc_offsets(seg):
-    """[B, T] offset of each token within its run of equal ids."""
-    out = np.zeros_like(seg)
-    for b in range(seg.shape[0]):
-        for t in range(1, seg.shape[1]):
-            out[b, t] = out[b, t - 1] + 1 if seg[b, t] == seg[b, t - 1] else 0
-    return out
