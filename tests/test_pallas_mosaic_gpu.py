@@ -361,6 +361,8 @@ HALF_CASES = [
                                                   dropout_rate=0.2)),
     ("contiguous", 1, 0, 0, 256, "float16", dict(causal=True, segments=True)),
     ("contiguous", 2, 0, 1, 256, "bfloat16", dict(window=(20, 100))),  # keys ahead, not causal
+    # each document's sink tokens beside a window: the flags after a prefix table read with the ids
+    ("contiguous", 1, 0, 0, 512, "float16", dict(causal=True, window=(60, 0), num_sink_tokens=3, segments=True)),
 ]
 
 
