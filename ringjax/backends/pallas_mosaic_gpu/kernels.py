@@ -216,11 +216,11 @@ def _reads_positions(opts) -> bool:
 
 
 def _needs_positions(opts, kind: str, alibi_by_column: bool = False) -> bool:
-    """Whether a visit of `kind` reads its tile's positions (`alibi_by_column`: ALiBi reads only the columns,
-    `_Mods.column_bias`). Mosaic GPU's layout inference gives up on vectors nobody reads, so a tile builds
-    its positions only where something uses them."""
+    """Whether a visit of `kind` ("full", "masked" or a half block; skips score nothing) reads its tile's
+    positions (`alibi_by_column`: ALiBi reads only the columns, `_Mods.column_bias`). Mosaic GPU's layout
+    inference gives up on vectors nobody reads, so a tile builds its positions only where something uses them."""
     alibi = opts.has_alibi and not alibi_by_column
-    return (kind == "masked" and _reads_positions(opts)) or alibi or opts.dropout_rate > 0
+    return (kind != "full" and _reads_positions(opts)) or alibi or opts.dropout_rate > 0
 
 
 def _mask(opts, shape, pos: "_Pos | None", rows_are_queries: bool, row_seg=None, col_seg=None):
@@ -931,7 +931,7 @@ def _fwd_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
                                        between=schedule, emulate=emulate)
                         plgpu.barrier_arrive(k_free.at[slot])
                         pos = None
-                        if _needs_positions(opts, "masked" if masked else kind, alibi_by_column=separable):
+                        if _needs_positions(opts, kind, alibi_by_column=separable):
                             pos = _tile_positions(s.shape, qpos0, col0, walk)
                         if separable:
                             cols = pos.cols if pos is not None else _tile_columns(width, col0, walk)
