@@ -7,8 +7,9 @@ warm-up calls, then 10 calls back to back under `jax.profiler.trace`; from its P
 first kernel's start to the last one's end and the summed kernel time, per call, and the longest kernels by name.
 Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--variant
 KEY=VALUE,...` (repeatable) also times the config the call ran with those fields replaced, default and variants
-alternating for `--rounds` rounds. `--implementation xla --seqs 512` checks the script on CPU (its "device" is then
-the host's thread pool).
+alternating for `--rounds` rounds. `--backward` times forward and backward together (the vjp of the call against a
+random cotangent), so the backward's kernels and what XLA runs around them show by name. `--implementation xla
+--seqs 512` checks the script on CPU (its "device" is then the host's thread pool).
 """
 
 from __future__ import annotations
@@ -59,19 +60,22 @@ def main(argv=None) -> int:
     p.add_argument("--variant", type=bench.config_overrides, action="append", default=[],
                    help="config fields KEY=VALUE,... to time beside the config the call runs (repeatable)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of default and variants, alternating")
+    p.add_argument("--backward", action="store_true", help="time forward and backward (the call's vjp)")
     args = p.parse_args(argv)
     shape = Shape(1, 32, 8, 128, "bfloat16")
     for t in map(int, args.seqs.split(",")):
         features = {f[0]: f for f in bench.coverage_features(shape, t, argparse.Namespace(window=1024, chunk=2048))}
-        q, k, v, _ = random_inputs(shape, t)
+        q, k, v, do = random_inputs(shape, t)
+        inputs = (q, k, v, do) if args.backward else (q, k, v)
         for name in args.features.split(","):
             base, fwds = None, []
             for overrides in [{}] + args.variant:
                 config = dataclasses.replace(base, **overrides) if overrides else None
-                fwd = jax.jit(bench.ringjax_attention(args.implementation, True, config=config, **features[name][2]))
+                fwd = jax.jit(training(bench.ringjax_attention(args.implementation, True, config=config,
+                                                               **features[name][2]), args.backward))
                 with ringjax_log() as log:
                     for _ in range(3):
-                        fwd(q, k, v).block_until_ready()
+                        jax.block_until_ready(fwd(*inputs))
                 if base is None and log.reports:
                     base = log.reports[-1].config  # the config the call ran, which the variants vary
                 if base is None and args.variant:
@@ -80,8 +84,15 @@ def main(argv=None) -> int:
             for round_ in range(args.rounds):
                 for overrides, fwd in fwds:
                     row = {"variant": bench.variant_name(overrides), "round": round_} if args.variant else {}
-                    timeline(args, fwd, (q, k, v), {"feature": name, "T": t, **row}, shape)
+                    timeline(args, fwd, inputs, {"feature": name, "T": t, **row}, shape)
     return 0
+
+
+def training(attn, backward: bool):
+    """attn(q, k, v), or with `backward` the gradients (q, k, v, do) -> (dq, dk, dv) of its forward."""
+    if not backward:
+        return attn
+    return lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do)
 
 
 def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
@@ -91,7 +102,7 @@ def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
             outs = [fwd(*inputs) for _ in range(CALLS)]
             jax.block_until_ready(outs)
         span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
-    row = {"exp": "timeline", **case, "causal": True, "implementation": args.implementation,
+    row = {"exp": "timeline", **case, "backward": args.backward, "causal": True, "implementation": args.implementation,
            "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
            "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -8,11 +8,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ringjax.core import ring, shards
-from ringjax.core.masks import StepOptions, TokenInfo
+from ringjax.core.masks import StepOptions, TokenInfo, visible_pairs
 from ringjax.core.schedule import ring_plan
 from ringjax.core.visits import block_starts, half_flags, on_device, range_table, sink_range_table
 from ringjax.layouts import local_positions
-from ringjax.options import AttentionOptions
+from ringjax.options import MAX_STATIC_INT, AttentionOptions
 
 from harness import need_devices
 from reference import document_offsets, mask_reference
@@ -51,6 +51,24 @@ def _per_step(opts, q, static: bool):
             q_info, k_info = q_info._replace(static_pos=None), k_info._replace(static_pos=None)
         out += [jnp.asarray(x)[None] for x in jax.tree.leaves(on_device(_tables(opts), opts, q_info, k_info))]
     return out
+
+
+@pytest.mark.parametrize("causal, window", [(True, (MAX_STATIC_INT, 0)), (True, (5, 0)), (False, (3, 9)),
+                                            (False, (MAX_STATIC_INT, MAX_STATIC_INT)), (False, (0, MAX_STATIC_INT))])
+def test_window_rule_at_extreme_positions(causal, window):
+    """masks' window rule on pairs (one unsigned compare of the positions' difference) against the two compares
+    in int64, at positions from 0 to 2**31 - 1 and extents up to 2**30, in numpy (tables) and in jax (kernels)."""
+    rng = np.random.default_rng(7)
+    edges = np.array([0, 1, 2**30 - 1, 2**30, 2**30 + 1, 2**31 - 2, 2**31 - 1], np.int64)
+    pos = np.concatenate([edges, rng.integers(0, 2**31, 40), rng.integers(2**31 - 40, 2**31, 10)])
+    qp, kp = pos[:, None], pos[None, :]
+    left, right = window
+    want = (kp >= qp - left) & (kp <= qp + right) & ((kp <= qp) if causal else True)
+    assert want.any() and not want.all()
+    opts = AttentionOptions(causal=causal, window=window)
+    for xp in (np, jnp):
+        got = visible_pairs(opts, xp.asarray(qp.astype(np.int32)), xp.asarray(kp.astype(np.int32)))
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])

@@ -111,6 +111,12 @@ def _base(opts: AttentionOptions, qp, kp, qp_left=None, kp_left=None):
     bound on (qp_left, kp_left), by default the same pair; on block ranges each bound gets the
     pair of range ends that decides it.
     """
+    if opts.window is not None and qp_left is None:
+        # on pairs one unsigned compare: -right <= qp - kp <= left. Positions lie in [0, 2**31) and left, right in
+        # [0, 2**30], so the difference never wraps onto the range. Causal windows have right = 0: this is the
+        # causal rule too. A kernel's masked block pays one compare and one select per score, not two of each.
+        left, right = opts.window
+        return (qp + right - kp).astype(np.uint32) <= np.uint32(left + right)
     qp_left, kp_left = (qp, kp) if qp_left is None else (qp_left, kp_left)
     window = None
     if opts.window is not None:
