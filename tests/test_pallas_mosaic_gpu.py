@@ -236,10 +236,11 @@ STEP_CASES = [
                                      logits_soft_cap=8.0)])
 @pytest.mark.parametrize("head_dim, dtype", [(64, "bfloat16"), (256, "float16")])
 def test_few_keys_grads_match_the_reference(kw, block_diagonal, head_dim, dtype):
-    """The sink keys' dK/dV that the dK/dV kernel leaves out (`dense.few_keys_grads`), against every query and
-    only where the sink rule alone shows the pair: Q and dO read in their own layout through block-diagonal
-    products (the default at 6 heads x 4 keys), and grouped by KV head (`block_diagonal=False`); in the two
-    dtypes the Mosaic kernels take, at the smallest and largest head_dims. Needs no kernel: it is XLA's."""
+    """The sink keys' dK/dV that the dK/dV kernel leaves out (`dense.few_keys_grads`), and the queries' dQ from
+    them that the fused backward leaves out, against every query and only where the sink rule alone shows the
+    pair: Q and dO read in their own layout through block-diagonal products (the default at 6 heads x 4 keys),
+    and grouped by KV head (`block_diagonal=False`); in the two dtypes the Mosaic kernels take, at the smallest
+    and largest head_dims. Needs no kernel: it is XLA's."""
     from ringjax.core.dense import few_keys_grads
 
     kw = dict(kw)
@@ -256,10 +257,11 @@ def test_few_keys_grads_match_the_reference(kw, block_diagonal, head_dim, dtype)
     mods, extras = _modifiers(rng, alibi, rate, 2, heads, total, qpos, kpos)
     ref = _step_reference(q, k, v, do, mask, opts.softmax_scale, opts.logits_soft_cap, **mods)
     qi, ki = TokenInfo(jnp.asarray(qpos), None, jnp.asarray(qpos)[None]), TokenInfo.first(sinks)
-    dk, dv = jax.jit(functools.partial(few_keys_grads, opts=opts, block_diagonal=block_diagonal))(
+    dq, dk, dv = jax.jit(functools.partial(few_keys_grads, opts=opts, block_diagonal=block_diagonal, with_dq=True))(
         q, k, v, do, jnp.asarray(ref["lse"], jnp.float32), jnp.asarray(ref["delta"], jnp.float32), qi, ki, extras)
-    assert dk.shape == k.shape and dv.shape == v.shape and dk.dtype == dv.dtype == jnp.float32
-    for name, got in (("dk", dk), ("dv", dv)):
+    assert dk.shape == k.shape and dv.shape == v.shape and dq.shape == q.shape
+    assert dq.dtype == dk.dtype == dv.dtype == jnp.float32
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
         err = rel_err(got, ref[name])
         assert err < 2e-2, f"{name}: relative error {err:.2e}"
 

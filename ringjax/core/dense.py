@@ -71,10 +71,11 @@ BLOCK_DIAGONAL_MAX = 256
 
 
 def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
-                   opts: AttentionOptions, block_diagonal: bool | None = None):
+                   opts: AttentionOptions, block_diagonal: bool | None = None, with_dq: bool = False):
     """dK and dV (float32, k's and v's shapes) of a few keys against every query, as one dense tile: no loop
     and no conditional. For kernels that walk queries per key tile, where a key every query sees would walk
-    all of them alone.
+    all of them alone. `with_dq`: (dq, dk, dv), dq the queries' share from these keys (float32, q's shape), for a
+    kernel that adds dQ from the same walk.
 
     Q and dO are read in their own [B, T, H, D] layout, as [T, H D] matrices: the S keys of every head are one
     block-diagonal [H D, H S] matrix, so the logits, dP, dK and dV are four plain matrix products whose batch is
@@ -95,17 +96,25 @@ def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenIn
         def keys(x):  # [B, S, KVH, D] <-> [B, KVH, S, D]
             return x.transpose(0, 2, 1, 3)
 
-        _, dk, dv, _ = tile_grads(rows(q), rows(dout), keys(k), keys(v), lse, delta, tile, opts, b, prec)
-        return keys(dk), keys(dv)
+        dq, dk, dv, _ = tile_grads(rows(q), rows(dout), keys(k), keys(v), lse, delta, tile, opts, b, prec)
+        dk, dv = keys(dk), keys(dv)
+        return (dq.transpose(0, 3, 1, 2, 4).reshape(q.shape), dk, dv) if with_dq else (dk, dv)
 
     def flat(x):  # [B, T, H, D] -> [B, T, H D]: a reshape, no copy
         return x.reshape(b, t, -1)
 
-    def scores(x, y):  # [B, KVH, G, T, S]: x [B, T, H, D] against keys y [B, S, KVH, D]
+    def block_diag(y):  # keys y [B, S, KVH, D] -> [B, H D, H S], head i's keys in diagonal block i
         y = jnp.repeat(y, g, axis=2)  # [B, S, H, D]
-        diag = jnp.einsum("bshd,hi->bhdis", y, jnp.eye(h, dtype=y.dtype)).reshape(b, -1, h * s)
-        out = jnp.einsum("btx,bxy->bty", flat(x), diag, preferred_element_type=f32, precision=prec)
+        return jnp.einsum("bshd,hi->bhdis", y, jnp.eye(h, dtype=y.dtype)).reshape(b, -1, h * s)
+
+    def scores(x, y):  # [B, KVH, G, T, S]: x [B, T, H, D] against keys y [B, S, KVH, D]
+        out = jnp.einsum("btx,bxy->bty", flat(x), block_diag(y), preferred_element_type=f32, precision=prec)
         return out.reshape(b, t, kvh, g, s).transpose(0, 2, 3, 1, 4)
+
+    def per_query(w, y):  # w [B, KVH, G, T, S] times keys y [B, S, KVH, D], summed over keys: [B, T, H, D]
+        w = w.transpose(0, 3, 1, 2, 4).reshape(b, t, h * s)
+        out = jnp.einsum("bty,bxy->btx", w, block_diag(y), preferred_element_type=f32, precision=prec)
+        return out.reshape(b, t, h, y.shape[3])
 
     def per_key(w, x):  # sum over queries and groups of w [B, KVH, G, T, S] times x [B, T, H, D]: [B, S, KVH, D]
         w = w.transpose(0, 3, 1, 2, 4).reshape(b, t, h * s)
@@ -116,4 +125,5 @@ def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenIn
     logits, slope = logits_and_slope(scores(q, k), opts)
     p = exp_below(tile.logits(logits), lse[..., None])  # 0 where masked
     ds = p * (tile.dropped(scores(dout, v), b) - delta[..., None]) * slope
-    return per_key(ds.astype(q.dtype), q), per_key(tile.dropped(p, b).astype(dout.dtype), dout)
+    dk, dv = per_key(ds.astype(q.dtype), q), per_key(tile.dropped(p, b).astype(dout.dtype), dout)
+    return (per_query(ds.astype(k.dtype), k), dk, dv) if with_dq else (dk, dv)

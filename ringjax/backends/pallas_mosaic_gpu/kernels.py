@@ -1929,8 +1929,13 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
-        dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config,
+        # sink tokens apart here too, their dQ share with them; not with ALiBi, whose slope gradient the kernel sums
+        apart = sinks_apart(opts) and not opts.has_alibi
+        kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
+        dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
                                           with_dq=True)
+        if apart:
+            dq, dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts, dq=dq)
         return dq, dk, dv, (dslope[0] if dslope else None)
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, out_dtype=out_dtype)
     dslope = None if dslope is None else dslope.sum(axis=(0, 2))
@@ -1948,8 +1953,9 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     return dq, dk, dv, dslope
 
 
-def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
-    """dK/dV plus the pairs that only the sink rule shows, computed densely in XLA.
+def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts, dq=None):
+    """dK/dV plus the pairs that only the sink rule shows, computed densely in XLA; with `dq` (the fused
+    backward's) (dq, dk, dv), dQ plus those pairs' share too.
 
     The dK/dV kernel walks queries per key tile: the tile holding the sink tokens would walk every query
     tile alone while the others walk their window, and finish last (4 sink tokens beside a window of 1024,
@@ -1959,10 +1965,12 @@ def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, o
     s = opts.num_sink_tokens
     hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
     idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
-    dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info, TokenInfo.first(s), extras,
-                                StepOptions.sink_step(opts))
+    k_s, v_s = (jnp.where(present[None, :, None, None], x[:, idx], 0) for x in (k, v))  # absent: no dQ share
+    *dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(s), extras,
+                                       StepOptions.sink_step(opts), with_dq=dq is not None)
     keep = present[None, :, None, None]
-    return dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
+    dk, dv = dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
+    return (dq + dq_s[0], dk, dv) if dq is not None else (dk, dv)
 
 
 def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,
