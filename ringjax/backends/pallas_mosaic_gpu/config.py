@@ -48,9 +48,9 @@ def dq_k_copy(head_dim: int, itemsize: int = 2) -> bool:
 
 
 def sinks_apart(opts) -> bool:
-    """Whether the split backward's dK/dV kernel leaves the sink tokens to a dense product in XLA
-    (`kernels._sink_key_grads`): where a window or chunks hide some of their pairs (else the base rule shows
-    them all) and without segments (whose sinks start every document)."""
+    """Whether the dK/dV kernel (split or fused: then with their dQ share, unless ALiBi) leaves the sink tokens to
+    a dense product in XLA (`kernels._sink_key_grads`): where a window or chunks hide some of their pairs (else the
+    base rule shows them all) and without segments (whose sinks start every document)."""
     return bool(opts.num_sink_tokens) and not opts.has_segments and reach(opts) is not None
 
 
