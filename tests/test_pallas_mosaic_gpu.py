@@ -430,6 +430,8 @@ FUSED_CASES = [case for case in STEP_CASES if not case[-1].get("alibi")][::2] + 
     ("zigzag", 2, 1, 0, 256, "bfloat16", dict(causal=True, alibi=True, dropout_rate=0.1)),  # two chunks a shard
     ("contiguous", 2, 0, 1, 256, "float16", dict(window=(20, 30), alibi=True)),
     ("zigzag", 2, 0, 1, 256, "bfloat16", dict(causal=True, dropout_rate=0.1, logits_soft_cap=3.0)),
+    # the ring's sink step: the kernel walks the sink keys itself (the dense product takes them on other steps)
+    ("contiguous", 4, 2, 0, 256, "float16", dict(causal=True, window=(100, 0), num_sink_tokens=3, sink_step=True)),
     ("contiguous", 1, 0, 0, 256, "bfloat16", dict(causal=True, segments=True, window=(90, 0))),
 ]
 
