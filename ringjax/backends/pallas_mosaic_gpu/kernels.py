@@ -1929,9 +1929,8 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
-        # sink tokens apart here too, their dQ share with them; not with ALiBi, whose slope gradient the kernel
-        # sums, nor on the ring's sink step, whose keys are the sink tokens alone (the kernel walks them)
-        apart = sinks_apart(opts) and not opts.has_alibi and not is_sink_step(opts)
+        # sink tokens apart here too, their dQ share with them; not with ALiBi, whose slope gradient the kernel sums
+        apart = sinks_apart(opts) and not opts.has_alibi
         kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
         dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
                                           with_dq=True)
