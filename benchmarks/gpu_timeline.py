@@ -7,9 +7,9 @@ warm-up calls, then 10 calls back to back under `jax.profiler.trace`; from its P
 first kernel's start to the last one's end and the summed kernel time, per call, and the longest kernels by name.
 Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--variant
 KEY=VALUE,...` (repeatable) also times the config the call ran with those fields replaced, default and variants
-alternating for `--rounds` rounds. `--backward` times forward and backward together (the vjp of the call against a
-random cotangent), so the backward's kernels and what XLA runs around them show by name. `--implementation xla
---seqs 512` checks the script on CPU (its "device" is then the host's thread pool).
+alternating for `--rounds` rounds. `--backward` times forward and backward together (the gradients `bench.py`
+times, against a random cotangent), so the backward's kernels and what XLA runs around them show by name.
+`--implementation xla --seqs 512` checks the script on CPU (its "device" is then the host's thread pool).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
-from common import Shape, random_inputs, ringjax_log  # noqa: E402
+from common import Shape, attention_fns, random_inputs, ringjax_log  # noqa: E402
 
 FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
 CALLS = 10
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
             base, fwds = None, []
             for overrides in [{}] + args.variant:
                 config = dataclasses.replace(base, **overrides) if overrides else None
-                fwd = jax.jit(training(bench.ringjax_attention(args.implementation, True, config=config,
-                                                               **features[name][2]), args.backward))
+                fwd = attention_fns(bench.ringjax_attention(args.implementation, True, config=config,
+                                                            **features[name][2]))[args.backward]
                 with ringjax_log() as log:
                     for _ in range(3):
                         jax.block_until_ready(fwd(*inputs))
@@ -86,13 +86,6 @@ def main(argv=None) -> int:
                     row = {"variant": bench.variant_name(overrides), "round": round_} if args.variant else {}
                     timeline(args, fwd, inputs, {"feature": name, "T": t, **row}, shape)
     return 0
-
-
-def training(attn, backward: bool):
-    """attn(q, k, v), or with `backward` the gradients (q, k, v, do) -> (dq, dk, dv) of its forward."""
-    if not backward:
-        return attn
-    return lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do)
 
 
 def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
