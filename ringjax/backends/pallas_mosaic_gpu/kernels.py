@@ -1924,8 +1924,8 @@ def _bwd_stats(lse, delta):
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
               opts: AttentionOptions, config: MosaicGpuConfig, out_dtype=jnp.float32):
     """(dq, dk, dv, d alibi_slopes or None) of one step: float32, or where they are final `out_dtype` (which
-    the kernels write directly, except what is summed after them: the fused backward's dQ, dK/dV beside
-    `_sink_key_grads`)."""
+    the kernels write directly, except what is summed after them: the fused backward's dQ, and its dK/dV
+    beside `_sink_key_grads`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
@@ -1946,31 +1946,35 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         dq, q = lax.optimization_barrier((dq, q))
     apart = sinks_apart(opts)
     kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
-    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
-                         out_dtype=jnp.float32 if apart else out_dtype)
+    dk, dv = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config, out_dtype=out_dtype)
     if apart:
         dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
     return dq, dk, dv, dslope
 
 
 def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts, dq=None):
-    """dK/dV plus the pairs that only the sink rule shows, computed densely in XLA; with `dq` (the fused
-    backward's) (dq, dk, dv), dQ plus those pairs' share too.
+    """dK/dV of the sink keys of this step (at most num_sink_tokens; none on most ring steps), computed densely
+    in XLA against every query (`dense.few_keys_grads`), where the dK/dV kernel ran without the sink rule.
 
     The dK/dV kernel walks queries per key tile: the tile holding the sink tokens would walk every query
     tile alone while the others walk their window, and finish last (4 sink tokens beside a window of 1024,
-    8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Here the sink keys of this
-    step (at most num_sink_tokens; none on most ring steps, then their terms are dropped) meet every query
-    in one small product (`dense.few_keys_grads`)."""
+    8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Split, the sink keys' rows
+    are replaced by their whole gradient (every pair the full rule shows), so the kernel writes the others in
+    their final dtype and each row is rounded once. With `dq` (the fused backward's float32 dQ): (dq, dk, dv),
+    the pairs only the sink rule shows added to all three, dQ's share too (the kernel's dQ holds the rest)."""
     s = opts.num_sink_tokens
     hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
     idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
     k_s, v_s = (jnp.where(present[None, :, None, None], x[:, idx], 0) for x in (k, v))  # absent: no dQ share
-    *dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(s), extras,
-                                       StepOptions.sink_step(opts), with_dq=dq is not None)
+    rule = opts if dq is None else StepOptions.sink_step(opts)
+    *dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(s), extras, rule,
+                                       with_dq=dq is not None)
+    if dq is None:
+        rows = jnp.where(present, idx, k.shape[1])  # absent: out of range, dropped
+        return tuple(x.at[:, rows].set(x_s.astype(x.dtype), mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
     keep = present[None, :, None, None]
     dk, dv = dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
-    return (dq + dq_s[0], dk, dv) if dq is not None else (dk, dv)
+    return dq + dq_s[0], dk, dv
 
 
 def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,
