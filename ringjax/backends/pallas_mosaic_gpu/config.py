@@ -50,9 +50,9 @@ def dq_k_copy(head_dim: int, itemsize: int = 2) -> bool:
 
 def sinks_apart(opts) -> bool:
     """Whether the dK/dV kernel (split or fused: then with their dQ share, unless ALiBi) leaves the sink tokens to
-    a dense product in XLA (`kernels._sink_key_grads`): where a window or chunks hide some of their pairs (else the
-    base rule shows them all) and without segments (whose sinks start every document); not on the ring's sink step,
-    whose keys are the sink tokens alone."""
+    a dense product in XLA (`kernels._sink_key_grads`; fused, `_sink_pair_grads`): where a window or chunks hide
+    some of their pairs (else the base rule shows them all) and without segments (whose sinks start every
+    document); not on the ring's sink step, whose keys are the sink tokens alone."""
     return (bool(opts.num_sink_tokens) and not opts.has_segments and reach(opts) is not None
             and not is_sink_step(opts))
 

@@ -1925,7 +1925,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
               opts: AttentionOptions, config: MosaicGpuConfig, out_dtype=jnp.float32):
     """(dq, dk, dv, d alibi_slopes or None) of one step: float32, or where they are final `out_dtype` (which
     the kernels write directly, except what is summed after them: the fused backward's dQ, and its dK/dV
-    beside `_sink_key_grads`)."""
+    beside `_sink_pair_grads`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
@@ -1935,7 +1935,7 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
                                           with_dq=True)
         if apart:
-            dq, dk, dv = _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts, dq=dq)
+            dq, dk, dv = _sink_pair_grads(dq, dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
         return dq, dk, dv, (dslope[0] if dslope else None)
     dq, dslope = _launch_dq(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, out_dtype=out_dtype)
     dslope = None if dslope is None else dslope.sum(axis=(0, 2))
@@ -1952,29 +1952,40 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     return dq, dk, dv, dslope
 
 
-def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts, dq=None):
-    """dK/dV of the sink keys of this step (at most num_sink_tokens; none on most ring steps), computed densely
-    in XLA against every query (`dense.few_keys_grads`), where the dK/dV kernel ran without the sink rule.
+def _sink_keys(k, opts):
+    """Where this step holds the sink tokens (at most num_sink_tokens; none on most ring steps): (index into
+    the step's keys [s], present [s])."""
+    s = opts.num_sink_tokens
+    hits = k.pos[None, :] == jnp.arange(s, dtype=k.pos.dtype)[:, None]  # [s, S]
+    return jnp.argmax(hits, axis=1), hits.any(axis=1)
+
+
+def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
+    """dK/dV with the sink keys' rows replaced by their whole gradient (every pair the full rule shows),
+    computed densely in XLA against every query (`dense.few_keys_grads`), where the dK/dV kernel ran without
+    the sink rule.
 
     The dK/dV kernel walks queries per key tile: the tile holding the sink tokens would walk every query
     tile alone while the others walk their window, and finish last (4 sink tokens beside a window of 1024,
-    8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Split, the sink keys' rows
-    are replaced by their whole gradient (every pair the full rule shows), so the kernel writes the others in
-    their final dtype and each row is rounded once. With `dq` (the fused backward's float32 dQ): (dq, dk, dv),
-    the pairs only the sink rule shows added to all three, dQ's share too (the kernel's dQ holds the rest)."""
-    s = opts.num_sink_tokens
-    hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
-    idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
+    8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Replacing rows lets the
+    kernel write the others in their final dtype: each row is rounded once."""
+    idx, present = _sink_keys(k_info, opts)
+    dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info,
+                                   TokenInfo.first(opts.num_sink_tokens), extras, opts)
+    rows = jnp.where(present, idx, k.shape[1])  # absent: out of range, dropped
+    return tuple(x.at[:, rows].set(x_s.astype(x.dtype), mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
+
+
+def _sink_pair_grads(dq, dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
+    """The fused backward's form of `_sink_key_grads`: its float32 dQ/dK/dV get the pairs only the sink rule
+    shows added (the kernel's hold the rest), dQ's share too, so one dense product serves all three."""
+    idx, present = _sink_keys(k_info, opts)
     k_s, v_s = (jnp.where(present[None, :, None, None], x[:, idx], 0) for x in (k, v))  # absent: no dQ share
-    rule = opts if dq is None else StepOptions.sink_step(opts)
-    *dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(s), extras, rule,
-                                       with_dq=dq is not None)
-    if dq is None:
-        rows = jnp.where(present, idx, k.shape[1])  # absent: out of range, dropped
-        return tuple(x.at[:, rows].set(x_s.astype(x.dtype), mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
+    dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(opts.num_sink_tokens),
+                                      extras, StepOptions.sink_step(opts), with_dq=True)
     keep = present[None, :, None, None]
     dk, dv = dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
-    return dq + dq_s[0], dk, dv
+    return dq + dq_s, dk, dv
 
 
 def fused_ring_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_infos: list[TokenInfo], axis_name: str,
