@@ -1952,11 +1952,11 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
     return dq, dk, dv, dslope
 
 
-def _sink_keys(k, opts):
+def _sink_keys(k_info: TokenInfo, opts):
     """Where this step holds the sink tokens (at most num_sink_tokens; none on most ring steps): (index into
     the step's keys [s], present [s])."""
     s = opts.num_sink_tokens
-    hits = k.pos[None, :] == jnp.arange(s, dtype=k.pos.dtype)[:, None]  # [s, S]
+    hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
     return jnp.argmax(hits, axis=1), hits.any(axis=1)
 
 
@@ -1971,7 +1971,7 @@ def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, o
     kernel write the others in their final dtype: each row is rounded once."""
     idx, present = _sink_keys(k_info, opts)
     dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info,
-                                   TokenInfo.first(opts.num_sink_tokens), extras, opts)
+                                TokenInfo.first(opts.num_sink_tokens), extras, opts)
     rows = jnp.where(present, idx, k.shape[1])  # absent: out of range, dropped
     return tuple(x.at[:, rows].set(x_s.astype(x.dtype), mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
 
