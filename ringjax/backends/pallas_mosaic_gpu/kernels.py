@@ -1954,10 +1954,12 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
 
 def _sink_keys(k_info: TokenInfo, opts):
     """Where this step holds the sink tokens (at most num_sink_tokens; none on most ring steps): (index into
-    the step's keys [s], present [s])."""
+    the step's keys [s], present [s], rows [s]: the index, or out of range where absent, for scatters that
+    drop it)."""
     s = opts.num_sink_tokens
     hits = k_info.pos[None, :] == jnp.arange(s, dtype=k_info.pos.dtype)[:, None]  # [s, S]
-    return jnp.argmax(hits, axis=1), hits.any(axis=1)
+    idx, present = jnp.argmax(hits, axis=1), hits.any(axis=1)
+    return idx, present, jnp.where(present, idx, k_info.pos.shape[0])
 
 
 def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
@@ -1969,22 +1971,20 @@ def _sink_key_grads(dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, o
     tile alone while the others walk their window, and finish last (4 sink tokens beside a window of 1024,
     8K tokens: forward+backward took 1.4x the window's alone, one H100, 2026-11-26). Replacing rows lets the
     kernel write the others in their final dtype: each row is rounded once."""
-    idx, present = _sink_keys(k_info, opts)
+    idx, _, rows = _sink_keys(k_info, opts)
     dk_s, dv_s = few_keys_grads(q, k[:, idx], v[:, idx], dout, lse, delta, q_info,
                                 TokenInfo.first(opts.num_sink_tokens), extras, opts)
-    rows = jnp.where(present, idx, k.shape[1])  # absent: out of range, dropped
     return tuple(x.at[:, rows].set(x_s.astype(x.dtype), mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
 
 
 def _sink_pair_grads(dq, dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts):
     """The fused backward's form of `_sink_key_grads`: its float32 dQ/dK/dV get the pairs only the sink rule
     shows added (the kernel's hold the rest), dQ's share too, so one dense product serves all three."""
-    idx, present = _sink_keys(k_info, opts)
+    idx, present, rows = _sink_keys(k_info, opts)
     k_s, v_s = (jnp.where(present[None, :, None, None], x[:, idx], 0) for x in (k, v))  # absent: no dQ share
     dq_s, dk_s, dv_s = few_keys_grads(q, k_s, v_s, dout, lse, delta, q_info, TokenInfo.first(opts.num_sink_tokens),
                                       extras, StepOptions.sink_step(opts), with_dq=True)
-    keep = present[None, :, None, None]
-    dk, dv = dk.at[:, idx].add(jnp.where(keep, dk_s, 0.0)), dv.at[:, idx].add(jnp.where(keep, dv_s, 0.0))
+    dk, dv = (x.at[:, rows].add(x_s, mode="drop") for x, x_s in ((dk, dk_s), (dv, dv_s)))
     return dq + dq_s, dk, dv
 
 
