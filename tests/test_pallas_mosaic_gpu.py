@@ -103,7 +103,7 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
     sink rule alone shows count (a shortened ring's sink step); `final`: the forward also writes its output
     in the inputs' dtype (what the ring asks where no merge follows), which must be the float32 output
     rounded, bit for bit; `backward=False` checks the forward alone."""
-    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd
+    from ringjax.backends.pallas_mosaic_gpu.kernels import block_bwd, block_fwd, fuses_backward
 
     total = local * n
     kw.setdefault("softmax_scale", head_dim ** -0.5)
@@ -158,8 +158,11 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
             if wide is None:
                 assert thin is None
                 continue
-            if name != "dslopes":
-                assert thin.dtype in (q.dtype, jnp.float32), (name, thin.dtype)
+            if name != "dslopes":  # summed after the kernels, so float32: the fused backward's dQ, and its dK/dV
+                # beside sink tokens (the dense product's pairs are added to them)
+                summed = fuses_backward(opts, config, head_dim, v_head_dim, q.dtype.itemsize) and (
+                    name == "dq" or opts.num_sink_tokens > 0)
+                assert thin.dtype == (jnp.float32 if summed else q.dtype), (name, thin.dtype)
             np.testing.assert_array_equal(np.asarray(thin.astype(q.dtype).astype(jnp.float32)),
                                           np.asarray(wide.astype(q.dtype).astype(jnp.float32)), err_msg=name)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
@@ -282,13 +285,19 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     (64, None, True, "bfloat16", dict(causal=True, alibi=True)),
     (128, 96, True, "bfloat16", dict(causal=True, segments=True)),  # 96 columns: 32-column bf16 chunks
     (256, None, True, "bfloat16", dict(causal=True, dropout_rate=0.1)),
+    # the fused backward: dK/dV leave in the inputs' dtype through a view of the slots dQ's float32 adds use
+    (64, None, True, "bfloat16", dict(causal=True, fused=True)),
+    (128, None, True, "float16", dict(window=(60, 20), segments=True, fused=True)),
+    (64, None, True, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=3, fused=True)),  # float32
 ])
 def test_final_results_are_written_in_the_input_dtype(head_dim, v_head_dim, persistent, dtype, kw):
     """Where no merge follows, the forward stores its output in the inputs' dtype (64 bf16 columns per
     128-byte chunk, 32 where the head_dim is no multiple of 64), and the backward its gradients: the float32
-    results rounded, bit for bit."""
+    results rounded, bit for bit (except what is summed after the kernels)."""
+    kw = dict(kw)
+    config = FUSED if kw.pop("fused", False) else small_for(max(head_dim, v_head_dim or 0))
     kw, batch, segments = _with_docs(kw, 128)  # two row tiles and two key blocks: the writes are what is new
-    config = dataclasses.replace(small_for(max(head_dim, v_head_dim or 0)), persistent=persistent)
+    config = dataclasses.replace(config, persistent=persistent)
     _check_step("contiguous", 1, 0, 0, 128, dtype, head_dim, 4, 2, batch=batch, segments=segments,
                 v_head_dim=v_head_dim, config=config, final=True, **kw)
 
