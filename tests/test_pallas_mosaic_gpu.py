@@ -158,11 +158,9 @@ def _check_step(layout, n, shard, src, local, dtype, head_dim, heads, kv_heads, 
             if wide is None:
                 assert thin is None
                 continue
-            if name != "dslopes":  # summed after the kernels, so float32: the fused backward's dQ, and its dK/dV
-                # beside sink tokens (the dense product's pairs are added to them)
-                summed = fuses_backward(opts, config, head_dim, v_head_dim, q.dtype.itemsize) and (
-                    name == "dq" or opts.num_sink_tokens > 0)
-                assert thin.dtype == (jnp.float32 if summed else q.dtype), (name, thin.dtype)
+            if name != "dslopes":  # the fused backward's are float32 (dQ summed by reduce-adds, dK/dV cast after)
+                fused = fuses_backward(opts, config, head_dim, v_head_dim, q.dtype.itemsize)
+                assert thin.dtype == (jnp.float32 if fused else q.dtype), (name, thin.dtype)
             np.testing.assert_array_equal(np.asarray(thin.astype(q.dtype).astype(jnp.float32)),
                                           np.asarray(wide.astype(q.dtype).astype(jnp.float32)), err_msg=name)
     assert np.array_equal(np.isneginf(np.asarray(lse)), np.isneginf(ref["lse"])), "fully masked rows differ"
@@ -285,10 +283,10 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
     (64, None, True, "bfloat16", dict(causal=True, alibi=True)),
     (128, 96, True, "bfloat16", dict(causal=True, segments=True)),  # 96 columns: 32-column bf16 chunks
     (256, None, True, "bfloat16", dict(causal=True, dropout_rate=0.1)),
-    # the fused backward: dK/dV leave in the inputs' dtype through a view of the slots dQ's float32 adds use
+    # the fused backward: its gradients float32 whatever is asked, its forward's output narrow
     (64, None, True, "bfloat16", dict(causal=True, fused=True)),
     (128, None, True, "float16", dict(window=(60, 20), segments=True, fused=True)),
-    (64, None, True, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=3, fused=True)),  # float32
+    (64, None, True, "bfloat16", dict(causal=True, window=(60, 0), num_sink_tokens=3, fused=True)),
 ])
 def test_final_results_are_written_in_the_input_dtype(head_dim, v_head_dim, persistent, dtype, kw):
     """Where no merge follows, the forward stores its output in the inputs' dtype (64 bf16 columns per

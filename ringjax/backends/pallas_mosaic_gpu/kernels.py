@@ -1575,9 +1575,6 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
     stored, read = r.take(2, walk.split)
     if walk.split:
         (pt_smem, dst_smem), o_smem = o_smem
-    out_smem = o_smem  # where dK/dV leave; the fused backward's dQ always leaves float32, through o_smem
-    if with_dq and dk_ref.dtype != jnp.float32:
-        o_smem, out_smem = o_smem
 
     bq, stages, d = walk.block, walk.stages, q_ref.shape[-1]
     half = bq // 2  # split: the queries of a block whose scores each consumer computes
@@ -1836,10 +1833,8 @@ def _dkv_kernel(*refs, opts, walk: _Walk, groups: int, has_seg: bool, emulate: b
 
             def write(dk_out, dv_out):
                 def rows():
-                    if out_smem is not o_smem:  # the last dQ adds have read the slots this view shares
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    chunks = _write_rows(dk, out_smem, wg, dk_out.at[mine])
-                    _write_rows(dv, out_smem, wg, dv_out.at[mine_v], first=chunks)
+                    chunks = _write_rows(dk, o_smem, wg, dk_out.at[mine])
+                    _write_rows(dv, o_smem, wg, dv_out.at[mine_v], first=chunks)
                     plgpu.wait_smem_to_gmem(0)
 
                 if spare is None:
@@ -1937,9 +1932,11 @@ def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, e
         # sink tokens apart here too, their dQ share with them; not with ALiBi, whose slope gradient the kernel sums
         apart = sinks_apart(opts) and not opts.has_alibi
         kv_opts = dataclasses.replace(opts, num_sink_tokens=0) if apart else opts
-        # dK/dV in the final dtype unless the sink pairs are added to them after
+        # dK/dV stay float32 (cast by XLA after): written in bf16 through a view of the slots dQ's float32 adds
+        # use, the kernel ran 1.4% slower on plain 32K and 5.7% on a window, more than the cast it saved
+        # (docs/performance.md)
         dq, dk, dv, *dslope = _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, kv_opts, config,
-                                          with_dq=True, out_dtype=jnp.float32 if apart else out_dtype)
+                                          with_dq=True)
         if apart:
             dq, dk, dv = _sink_pair_grads(dq, dk, dv, q, k, v, dout, lse, delta, q_info, k_info, extras, opts)
         return dq, dk, dv, (dslope[0] if dslope else None)
@@ -2089,10 +2086,7 @@ def _launch_dkv(q, k, v, dout, lse2, delta, q_info, k_info, mods, opts, config, 
     # split: dK and dV contract a consumer's P^T and dS^T over its 32 queries, a wgmma K group of 32 bf16: 64-byte
     # swizzles, which wgmma wants of both its operands
     widest = 64 if split else 128
-    width = math.gcd(d, dv) // (2 if split else 1)
-    epilogue = _epilogue_smem(max(d, dv), dtype=out_dtype, width=width)
-    if with_dq and jnp.dtype(out_dtype) != jnp.float32:  # dQ's reduce-adds leave float32 through the same slots
-        epilogue = plgpu.RefUnion(_epilogue_smem(max(d, dv), width=width), epilogue)
+    epilogue = _epilogue_smem(max(d, dv), dtype=out_dtype, width=math.gcd(d, dv) // (2 if split else 1))
     if split:  # the consumers' P^T and dS^T over half a block each, where the epilogue writes later
         part = plgpu.SMEM((2, ROWS, bq // 2), dt, transforms=_transforms(bq // 2, dt, widest))
         epilogue = plgpu.RefUnion((part, part), epilogue)
