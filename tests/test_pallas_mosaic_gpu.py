@@ -291,7 +291,7 @@ def test_step_matches_reference(layout, n, shard, src, local, dtype, kw, head_di
 def test_final_results_are_written_in_the_input_dtype(head_dim, v_head_dim, persistent, dtype, kw):
     """Where no merge follows, the forward stores its output in the inputs' dtype (64 bf16 columns per
     128-byte chunk, 32 where the head_dim is no multiple of 64), and the backward its gradients: the float32
-    results rounded, bit for bit (except what is summed after the kernels)."""
+    results rounded, bit for bit (the fused backward's gradients stay float32)."""
     kw = dict(kw)
     config = FUSED if kw.pop("fused", False) else small_for(max(head_dim, v_head_dim or 0))
     kw, batch, segments = _with_docs(kw, 128)  # two row tiles and two key blocks: the writes are what is new
