@@ -5,7 +5,10 @@
 For each feature (the `coverage` suite's keywords, bf16, batch 1, 32 q / 8 kv heads, head_dim 128, causal): 3
 warm-up calls, then 10 calls back to back under `jax.profiler.trace`; from its Perfetto trace, the span from the
 first kernel's start to the last one's end and the summed kernel time, per call, and the longest kernels by name.
-Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. `--variant
+Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. Beside it, each
+row has the host's time per call of the same calls timed as `bench.py` times them (`host_us_per_call`: samples
+of at least 20 ms, without the profiler) and the GPU's SM clock before and after (`sm_mhz`, from nvidia-smi where
+there is one), so a gap between the two clocks can be told from the clock speed. `--variant
 KEY=VALUE,...` (repeatable) also times the config the call ran with those fields replaced, default and variants
 alternating for `--rounds` rounds. `--backward` times forward and backward together (the gradients `bench.py`
 times, against a random cotangent), so the backward's kernels and what XLA runs around them show by name.
@@ -19,6 +22,7 @@ import collections
 import dataclasses
 import gzip
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +33,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
-from common import Shape, attention_fns, random_inputs, ringjax_log  # noqa: E402
+from common import Shape, attention_fns, random_inputs, ringjax_log, timeit  # noqa: E402
 
 FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
 CALLS = 10
@@ -88,8 +92,22 @@ def main(argv=None) -> int:
     return 0
 
 
+def sm_mhz() -> int | None:
+    """The first GPU's current SM clock (MHz) by nvidia-smi, None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
-    """Time `CALLS` calls of the warm `fwd` on the GPU's timeline and write the row."""
+    """Time `CALLS` calls of the warm `fwd` on the GPU's timeline, and on the host's clock as `bench.py` does,
+    and write the row."""
+    clocks = [sm_mhz()]
+    host = timeit(fwd, *inputs, reps=5, warmup=0, back_to_back=5, min_sample_s=0.02)
+    clocks.append(sm_mhz())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             outs = [fwd(*inputs) for _ in range(CALLS)]
@@ -97,6 +115,7 @@ def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
         span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
     row = {"exp": "timeline", **case, "backward": args.backward, "causal": True, "implementation": args.implementation,
            "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
+           "host_us_per_call": round(host * 1e6, 1), "sm_mhz": clocks,
            "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}

@@ -421,6 +421,19 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
     assert span == pytest.approx((200 * (n - 1) + 125) / n)
 
 
+def test_gpu_timeline_rows_carry_the_host_clock_and_sm_clock(tmp_path):
+    """benchmarks/gpu_timeline.py on CPU (the XLA implementation): each row also has the host's time per call of
+    the same calls, timed as bench.py times them, and the SM clock before and after (None without nvidia-smi)."""
+    spec = importlib.util.spec_from_file_location("gpu_timeline", ROOT / "benchmarks" / "gpu_timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    out = tmp_path / "timeline.jsonl"
+    assert timeline.main(["--implementation", "xla", "--seqs", "256", "--features", "plain", "--out", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["host_us_per_call"] > 0 and row["span_us_per_call"] > 0
+    assert len(row["sm_mhz"]) == 2 and all(c is None or c > 0 for c in row["sm_mhz"])
+
+
 def test_ncu_summary_reads_segments_and_stalls(tmp_path, capsys):
     """benchmarks/ncu_kernel.py summary: details metrics, stall shares, and runs of equally executed instructions."""
     import csv
