@@ -1924,8 +1924,8 @@ def _bwd_stats(lse, delta):
 def block_bwd(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
               opts: AttentionOptions, config: MosaicGpuConfig, out_dtype=jnp.float32):
     """(dq, dk, dv, d alibi_slopes or None) of one step: float32, or where they are final `out_dtype` (which
-    the kernels write directly, except what is summed after them: the fused backward's dQ, and its dK/dV
-    beside `_sink_pair_grads`)."""
+    the split kernels write directly; the fused backward's stay float32: its dQ is summed by reduce-adds, and
+    its dK/dV cast after, or summed with `_sink_pair_grads`)."""
     lse2, delta = _bwd_stats(lse, delta)
     mods = _mod_args(opts, extras, q.shape[2])
     if fuses_backward(opts, config, q.shape[3], v.shape[3], q.dtype.itemsize):
