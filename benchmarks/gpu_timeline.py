@@ -106,7 +106,8 @@ def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
     """Time `CALLS` calls of the warm `fwd` on the GPU's timeline, and on the host's clock as `bench.py` does,
     and write the row."""
     clocks = [sm_mhz()]
-    host = timeit(fwd, *inputs, reps=5, warmup=0, back_to_back=5, min_sample_s=0.02)
+    host = timeit(fwd, *inputs, reps=5, warmup=0, back_to_back=bench.DEFAULT_BACK_TO_BACK,
+                  min_sample_s=bench.SAMPLE_MS / 1e3)
     clocks.append(sm_mhz())
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):

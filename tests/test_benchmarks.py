@@ -19,13 +19,13 @@ DEVICES = 4
 BF16_ERR = 2e-2  # bf16 outputs against a float32 or another bf16 computation of the same attention
 
 
-def _bench_module():
-    """benchmarks/bench.py imported (it imports common.py beside it)."""
+def _script(name: str):
+    """benchmarks/<name>.py imported (the scripts import common.py beside them)."""
     sys.path.insert(0, str(BENCH.parent))
     try:
-        spec = importlib.util.spec_from_file_location("bench", BENCH)
+        spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["bench"] = module  # dataclasses look their module up while the class is made
+        sys.modules[name] = module  # dataclasses look their module up while the class is made
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH.parent))
@@ -34,7 +34,7 @@ def _bench_module():
 
 @pytest.fixture(scope="module")
 def bench():
-    return _bench_module()
+    return _script("bench")
 
 
 @pytest.fixture(scope="module")
@@ -403,9 +403,7 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
     """benchmarks/gpu_timeline.py: of a Perfetto trace, only the device's kernels count, per call of CALLS."""
     import gzip
 
-    spec = importlib.util.spec_from_file_location("gpu_timeline", ROOT / "benchmarks" / "gpu_timeline.py")
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = _script("gpu_timeline")
     n = timeline.CALLS
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -424,9 +422,7 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
 def test_gpu_timeline_rows_carry_the_host_clock_and_sm_clock(tmp_path):
     """benchmarks/gpu_timeline.py on CPU (the XLA implementation): each row also has the host's time per call of
     the same calls, timed as bench.py times them, and the SM clock before and after (None without nvidia-smi)."""
-    spec = importlib.util.spec_from_file_location("gpu_timeline", ROOT / "benchmarks" / "gpu_timeline.py")
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = _script("gpu_timeline")
     out = tmp_path / "timeline.jsonl"
     assert timeline.main(["--implementation", "xla", "--seqs", "256", "--features", "plain", "--out", str(out)]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
@@ -439,9 +435,7 @@ def test_ncu_summary_reads_segments_and_stalls(tmp_path, capsys):
     import csv
     import gzip
 
-    spec = importlib.util.spec_from_file_location("ncu_kernel", ROOT / "benchmarks" / "ncu_kernel.py")
-    ncu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ncu)
+    ncu = _script("ncu_kernel")
     with open(tmp_path / "k_details.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["Section Name", "Metric Name", "Metric Unit", "Metric Value"])
