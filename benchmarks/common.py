@@ -18,6 +18,7 @@ import math
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -65,6 +66,16 @@ def timeit(fn, *args, reps: int = 10, warmup: int = 2, budget_s: float = float("
 # windowed forward took 0.338 ms each, 25 took 0.281, its kernels 0.263 on the GPU's own timeline); samples of at
 # least 20 ms (`--sample-ms`) keep that within 2%
 MAX_CALLS_PER_SAMPLE = 1000
+
+
+def sm_mhz() -> int | None:
+    """The first GPU's current SM clock (MHz) by nvidia-smi, None without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return int(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
 
 
 def attention_flops(batch: int, heads: int, tokens: int, head_dim: int, causal: bool, bwd: bool,
@@ -168,8 +179,14 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
     than `budget_s` gets no further warm-up, and timing stops once `budget_s` is spent. A forward
     that fails raises; a backward that fails is recorded as `fwd_bwd_error`. `back_to_back`: calls per
     sample without a host sync between them, more where a sample would last less than `min_sample_s` (`timeit`).
+    On an NVIDIA GPU the fields also hold its SM clock before and after (`sm_mhz`), so that a ratio between rows
+    of one run can be told from clock drift.
     """
     fwd, fwd_bwd = attention_fns(attn)
+    before = sm_mhz()
+
+    def clocked(fields: dict) -> dict:
+        return {**fields, "sm_mhz": [before, sm_mhz()]} if before is not None else fields
 
     def mode_ms(fn, *args):
         start = time.perf_counter()
@@ -182,8 +199,8 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
     try:
         fwd_bwd_ms, _ = mode_ms(fwd_bwd, q, k, v, do)
     except Exception as e:  # noqa: BLE001 - e.g. a library without this backward: keep the forward
-        return {**rates(fwd_ms, None, fwd_flops, devices), "fwd_bwd_error": failure(e)}, out
-    return rates(fwd_ms, fwd_bwd_ms, fwd_flops, devices), out
+        return clocked({**rates(fwd_ms, None, fwd_flops, devices), "fwd_bwd_error": failure(e)}), out
+    return clocked(rates(fwd_ms, fwd_bwd_ms, fwd_flops, devices)), out
 
 
 @jax.jit

@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import gzip
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402
 
-from common import Shape, attention_fns, random_inputs, ringjax_log, timeit  # noqa: E402
+from common import Shape, attention_fns, random_inputs, ringjax_log, sm_mhz, timeit  # noqa: E402
 
 FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
 CALLS = 10
@@ -90,16 +89,6 @@ def main(argv=None) -> int:
                     row = {"variant": bench.variant_name(overrides), "round": round_} if args.variant else {}
                     timeline(args, fwd, inputs, {"feature": name, "T": t, **row}, shape)
     return 0
-
-
-def sm_mhz() -> int | None:
-    """The first GPU's current SM clock (MHz) by nvidia-smi, None without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
-        return int(out.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
 
 
 def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:

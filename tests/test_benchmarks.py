@@ -430,6 +430,24 @@ def test_gpu_timeline_rows_carry_the_host_clock_and_sm_clock(tmp_path):
     assert len(row["sm_mhz"]) == 2 and all(c is None or c > 0 for c in row["sm_mhz"])
 
 
+def test_measure_records_the_sm_clock_where_there_is_one(monkeypatch):
+    """common.measure: its fields carry the SM clock before and after where nvidia-smi reads one, none without."""
+    _script("bench")
+    common = sys.modules["common"]
+    import ringjax
+
+    shape = common.Shape(1, 2, 1, 16, "float32")
+    q, k, v, do = common.random_inputs(shape, 64)
+
+    def attn(q, k, v):
+        return ringjax.ring_attention(q, k, v, axis_name=None, causal=True, implementation="xla")
+
+    for clocks, want in (([1980, 1755], [1980, 1755]), ([None, None], None)):
+        monkeypatch.setattr(common, "sm_mhz", iter(clocks).__next__)
+        fields, _ = common.measure(attn, q, k, v, do, 1.0, reps=1, warmup=1, budget_s=1.0)
+        assert fields.get("sm_mhz") == want and fields["fwd_ms"] > 0 and fields["fwd_bwd_ms"] > 0
+
+
 def test_ncu_summary_reads_segments_and_stalls(tmp_path, capsys):
     """benchmarks/ncu_kernel.py summary: details metrics, stall shares, and runs of equally executed instructions."""
     import csv
