@@ -179,14 +179,15 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
     than `budget_s` gets no further warm-up, and timing stops once `budget_s` is spent. A forward
     that fails raises; a backward that fails is recorded as `fwd_bwd_error`. `back_to_back`: calls per
     sample without a host sync between them, more where a sample would last less than `min_sample_s` (`timeit`).
-    On an NVIDIA GPU the fields also hold its SM clock before and after (`sm_mhz`), so that a ratio between rows
-    of one run can be told from clock drift.
+    On an NVIDIA GPU the fields also hold its SM clock right after each mode's timed samples (`sm_mhz`: after
+    the forward's, then after the forward+backward's), so that a ratio between rows of one run can be told from
+    clock drift.
     """
     fwd, fwd_bwd = attention_fns(attn)
-    before = sm_mhz()
+    clocks: list = []
 
     def clocked(fields: dict) -> dict:
-        return {**fields, "sm_mhz": [before, sm_mhz()]} if before is not None else fields
+        return {**fields, "sm_mhz": clocks} if clocks and clocks[0] is not None else fields
 
     def mode_ms(fn, *args):
         start = time.perf_counter()
@@ -196,10 +197,13 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
                       min_sample_s=min_sample_s) * 1e3, first
 
     fwd_ms, out = mode_ms(fwd, q, k, v)
+    clocks.append(sm_mhz())
     try:
         fwd_bwd_ms, _ = mode_ms(fwd_bwd, q, k, v, do)
     except Exception as e:  # noqa: BLE001 - e.g. a library without this backward: keep the forward
         return clocked({**rates(fwd_ms, None, fwd_flops, devices), "fwd_bwd_error": failure(e)}), out
+    if clocks[0] is not None:  # no second nvidia-smi call where the first found none
+        clocks.append(sm_mhz())
     return clocked(rates(fwd_ms, fwd_bwd_ms, fwd_flops, devices)), out
 
 
