@@ -184,27 +184,29 @@ def measure(attn, q, k, v, do, fwd_flops: float, *, reps: int, warmup: int, budg
     clock drift.
     """
     fwd, fwd_bwd = attention_fns(attn)
-    clocks: list = []
-
-    def clocked(fields: dict) -> dict:
-        return {**fields, "sm_mhz": clocks} if clocks and clocks[0] is not None else fields
+    on_gpu = True  # no further nvidia-smi call where the first found none
 
     def mode_ms(fn, *args):
+        """(ms a call, first output, SM clock after the timed samples)."""
+        nonlocal on_gpu
         start = time.perf_counter()
         first = jax.block_until_ready(fn(*args))
         more = 0 if time.perf_counter() - start > budget_s else max(0, warmup - 1)
-        return timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s, back_to_back=back_to_back,
-                      min_sample_s=min_sample_s) * 1e3, first
+        ms = timeit(fn, *args, reps=reps, warmup=more, budget_s=budget_s, back_to_back=back_to_back,
+                    min_sample_s=min_sample_s) * 1e3
+        clock = sm_mhz() if on_gpu else None
+        on_gpu = clock is not None
+        return ms, first, clock
 
-    fwd_ms, out = mode_ms(fwd, q, k, v)
-    clocks.append(sm_mhz())
+    fwd_ms, out, fwd_clock = mode_ms(fwd, q, k, v)
+    clocks = {"sm_mhz": [fwd_clock]} if fwd_clock is not None else {}
     try:
-        fwd_bwd_ms, _ = mode_ms(fwd_bwd, q, k, v, do)
+        fwd_bwd_ms, _, fwd_bwd_clock = mode_ms(fwd_bwd, q, k, v, do)
     except Exception as e:  # noqa: BLE001 - e.g. a library without this backward: keep the forward
-        return clocked({**rates(fwd_ms, None, fwd_flops, devices), "fwd_bwd_error": failure(e)}), out
-    if clocks[0] is not None:  # no second nvidia-smi call where the first found none
-        clocks.append(sm_mhz())
-    return clocked(rates(fwd_ms, fwd_bwd_ms, fwd_flops, devices)), out
+        return {**rates(fwd_ms, None, fwd_flops, devices), "fwd_bwd_error": failure(e), **clocks}, out
+    if clocks:
+        clocks["sm_mhz"].append(fwd_bwd_clock)
+    return {**rates(fwd_ms, fwd_bwd_ms, fwd_flops, devices), **clocks}, out
 
 
 @jax.jit

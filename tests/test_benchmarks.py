@@ -433,8 +433,7 @@ def test_gpu_timeline_rows_carry_the_host_clock_and_sm_clock(tmp_path):
 def test_measure_records_the_sm_clock_where_there_is_one(monkeypatch):
     """common.measure: its fields carry the SM clock after each mode's timing where nvidia-smi reads one, none
     without (and nvidia-smi is asked once)."""
-    _script("bench")
-    common = sys.modules["common"]
+    common = _script("common")
     import ringjax
 
     shape = common.Shape(1, 2, 1, 16, "float32")
