@@ -8,7 +8,9 @@ first kernel's start to the last one's end and the summed kernel time, per call,
 Host clocks (`bench.py`) add each sample's wait and first dispatch; this is what the GPU spent. Beside it, each
 row has the host's time per call of the same calls timed as `bench.py` times them (`host_us_per_call`: samples
 of at least 20 ms, without the profiler) and the GPU's SM clock before and after (`sm_mhz`, from nvidia-smi where
-there is one), so a gap between the two clocks can be told from the clock speed. `--variant
+there is one), so a gap between the two clocks can be told from the clock speed. Before both, the calls run back
+to back for `--settle-s` seconds, so the clock is the one the call's sustained load holds, as in `bench.py`'s
+rows, not an idle GPU's boost. `--variant
 KEY=VALUE,...` (repeatable) also times the config the call ran with those fields replaced, default and variants
 alternating for `--rounds` rounds. `--backward` times forward and backward together (the gradients `bench.py`
 times, against a random cotangent), so the backward's kernels and what XLA runs around them show by name.
@@ -36,6 +38,10 @@ from common import Shape, attention_fns, random_inputs, ringjax_log, sm_mhz, tim
 
 FEATURES = ("plain", "window", "segments", "chunked", "sink_tokens", "chunked_documents")
 CALLS = 10
+# an idle H100 boosts its SM to 1980 MHz, and one under a call's sustained load settles lower within a second or
+# two: plain causal's fwd+bwd at 32K at 1470-1605, a window's at 1700-1800 (1 H100, jax 0.11.2, 2026-12-07). A
+# timeline from idle read the window's 32K fwd+bwd at 4.36 ms, `bench.py coverage` (2 s of samples) at 4.71-4.75
+SETTLE_S = 2.0
 
 
 def kernel_times(trace: Path) -> tuple[float, float, collections.Counter]:
@@ -64,6 +70,8 @@ def main(argv=None) -> int:
                    help="config fields KEY=VALUE,... to time beside the config the call runs (repeatable)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of default and variants, alternating")
     p.add_argument("--backward", action="store_true", help="time forward and backward (the call's vjp)")
+    p.add_argument("--settle-s", type=float, default=SETTLE_S,
+                   help=f"seconds of calls before each row's timing, for the SM clock to settle (default {SETTLE_S})")
     args = p.parse_args(argv)
     shape = Shape(1, 32, 8, 128, "bfloat16")
     for t in map(int, args.seqs.split(",")):
@@ -94,6 +102,9 @@ def main(argv=None) -> int:
 def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
     """Time `CALLS` calls of the warm `fwd` on the GPU's timeline, and on the host's clock as `bench.py` does,
     and write the row."""
+    settle_until = time.perf_counter() + args.settle_s
+    while time.perf_counter() < settle_until:
+        jax.block_until_ready([fwd(*inputs) for _ in range(bench.DEFAULT_BACK_TO_BACK)])
     clocks = [sm_mhz()]
     host = timeit(fwd, *inputs, reps=5, warmup=0, back_to_back=bench.DEFAULT_BACK_TO_BACK,
                   min_sample_s=bench.SAMPLE_MS / 1e3)
@@ -105,7 +116,7 @@ def timeline(args, fwd, inputs, case: dict, shape: Shape) -> None:
         span, busy, by_name = kernel_times(next(Path(d).rglob("perfetto_trace.json.gz")))
     row = {"exp": "timeline", **case, "backward": args.backward, "causal": True, "implementation": args.implementation,
            "shape": shape.describe(), "span_us_per_call": round(span, 1), "busy_us_per_call": round(busy, 1),
-           "host_us_per_call": round(host * 1e6, 1), "sm_mhz": clocks,
+           "host_us_per_call": round(host * 1e6, 1), "sm_mhz": clocks, "settle_s": args.settle_s,
            "top": [[round(us, 1), kernel[:60]] for kernel, us in by_name.most_common(6)],
            "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}

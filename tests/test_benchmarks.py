@@ -421,13 +421,16 @@ def test_gpu_timeline_sums_device_kernels_per_call(tmp_path):
 
 def test_gpu_timeline_rows_carry_the_host_clock_and_sm_clock(tmp_path):
     """benchmarks/gpu_timeline.py on CPU (the XLA implementation): each row also has the host's time per call of
-    the same calls, timed as bench.py times them, and the SM clock before and after (None without nvidia-smi)."""
+    the same calls, timed as bench.py times them after --settle-s seconds of calls, and the SM clock before and after
+    (None without nvidia-smi)."""
     timeline = _script("gpu_timeline")
     out = tmp_path / "timeline.jsonl"
-    assert timeline.main(["--implementation", "xla", "--seqs", "256", "--features", "plain", "--out", str(out)]) == 0
+    assert timeline.main(["--implementation", "xla", "--seqs", "256", "--features", "plain", "--settle-s", "0.2",
+                          "--out", str(out)]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert row["host_us_per_call"] > 0 and row["span_us_per_call"] > 0
     assert len(row["sm_mhz"]) == 2 and all(c is None or c > 0 for c in row["sm_mhz"])
+    assert row["settle_s"] == 0.2
 
 
 def test_measure_records_the_sm_clock_where_there_is_one(monkeypatch):
