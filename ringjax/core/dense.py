@@ -123,8 +123,7 @@ def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenIn
         return out.reshape(b, t, h, y.shape[3])
 
     def per_key(w, x):  # sum over queries and groups of w [B, KVH, G, T, S] times x [B, T, H, D]: [B, S, KVH, D]
-        # the queries in `chunks` runs, each its own product, summed after: one product's [H S, H D] output is a
-        # few dozen of cuBLAS's tiles, too few CTAs to read Q or dO at the GPU's bandwidth
+        # `QUERY_CHUNKS` runs of queries, a product each, summed after (one product has too few output tiles)
         c = QUERY_CHUNKS if t % QUERY_CHUNKS == 0 else 1
         w = w.transpose(0, 3, 1, 2, 4).reshape(b, c, t // c, h * s)
         full = jnp.einsum("bctx,bcty->bcxy", w, flat(x).reshape(b, c, t // c, -1), preferred_element_type=f32,
