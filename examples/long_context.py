@@ -64,7 +64,7 @@ def build(method, seq, args, mesh):
             lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name="sp", causal=args.causal, layout="zigzag"),
             mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
     else:
-        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        sharding = jax.sharding.make_single_device_sharding(jax.devices()[0])
         if method == "dense":
             attn = lambda q, k, v: dense_attention(q, k, v, args.causal)  # noqa: E731
         else:
