@@ -60,9 +60,18 @@ def add_sinks(out, lse, sinks):
     out [B, T, H, D], lse [B, H, T] float32, sinks [H]; rows that saw no key stay 0.
     """
     sink = sinks.astype(jnp.float32)[None, :, None]
-    new_lse = jnp.logaddexp(lse, sink)
-    scale = jnp.exp(lse - new_lse)  # 0 for rows that saw no key
+    # not jnp.logaddexp: its derivatives are NaN where lse and the sink are both -inf (a row that saw no key, a
+    # head without a sink), and 0 times NaN stays NaN in the gradients
+    m = finite_or_zero(jnp.maximum(lse, sink))
+    new_lse = log_sum(m, jnp.exp(lse - m) + jnp.exp(sink - m))
+    scale = jnp.exp(lse - finite_or_zero(new_lse))  # 0 for rows that saw no key
     return out * jnp.swapaxes(scale, 1, 2)[..., None], new_lse
+
+
+def sink_probability(sinks, lse):
+    """exp(sinks[h] - lse) [B, H, T]: the sink's share of each row's softmax (lse with the sinks, from
+    `add_sinks`); 0 where a sink of -inf meets a row that saw no key (lse -inf), where the difference is NaN."""
+    return jnp.exp(sinks.astype(jnp.float32)[None, :, None] - finite_or_zero(lse))
 
 
 def merge_attention(

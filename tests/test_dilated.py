@@ -104,6 +104,17 @@ def test_against_reference(case):
     check_against_reference(got, reference(x, branches, **kw), "float32")
 
 
+def test_sinks_of_minus_inf_leave_rows_that_see_no_key_zero():
+    """Heads without a sink (-inf) on rows that see no key: their lse and the sink's are both -inf, where
+    jnp.logaddexp's derivatives were NaN and so was dsinks."""
+    x = make_inputs(790, batch=1, seq=32, heads=4, kv_heads=2, head_dim=8, segments="random", sinks=True)
+    x["sinks"][[0, 2]] = -np.inf
+    got = run_dilated(x, 2, ((8, 2), (16, 1)), causal=True)
+    check_against_reference(got, reference(x, ((8, 2), (16, 1)), causal=True), "float32")
+    assert (np.asarray(x["segment_ids"]) < 0).any()
+    assert np.all(got["dsinks"][[0, 2]] == 0.0)
+
+
 def test_one_full_branch_is_ring_attention_exactly():
     x = make_inputs(710, batch=1, seq=16, heads=4, kv_heads=2, head_dim=8, segments="random", sinks=True)
     q, k, v = (jnp.asarray(x[n]) for n in "qkv")

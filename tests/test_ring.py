@@ -78,6 +78,21 @@ def test_fully_masked_rows_are_zero_with_finite_gradients():
         assert np.isfinite(got[name]).all()
 
 
+@pytest.mark.parametrize("n, kw", [(1, {}), (4, {}), (4, dict(deterministic="invariant"))])
+def test_sinks_of_minus_inf_leave_rows_that_see_no_key_zero(n, kw):
+    """A sink of -inf (a head without one) meets rows that see no key: the sink's share exp(sink - lse) is
+    -inf - -inf there, which was NaN in the output, dQ and dsinks."""
+    x = make_inputs(17 + n, seq=32, segments="random", sinks=True)
+    x["sinks"][[0, 2]] = -np.inf
+    got = _check(x, n, "zigzag", causal=True, **kw)
+    padded = np.asarray(x["segment_ids"]) < 0
+    assert padded.any()
+    assert np.all(got["out"][padded] == 0.0)
+    assert np.all(got["dsinks"][[0, 2]] == 0.0)
+    for name in ("out", "dq", "dk", "dv", "dsinks"):
+        assert np.isfinite(got[name]).all(), name
+
+
 @pytest.mark.parametrize("n, dtype", [(1, "float32"), (4, "bfloat16")])
 def test_logits_near_1e9_stay_finite(n, dtype):
     """softmax_scale 1e8: logits near 1e9, where XLA's two copies of a logit (one FMA-contracted) differed by

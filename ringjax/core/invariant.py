@@ -28,6 +28,7 @@ from ringjax.core.masks import TokenInfo, maybe_visible
 from ringjax.core.schedule import steps_may_be_empty
 from ringjax.core.shards import query_info, shard_info, shift
 from ringjax.core.tiles import shard_range
+from ringjax.merge import sink_probability
 from ringjax.options import AttentionOptions
 
 MOST_GRANULE = 1024  # tokens
@@ -348,7 +349,7 @@ def row_dots(dout, out, opts: AttentionOptions):
 def sinks_grad(sinks, lse, delta, opts: AttentionOptions):
     """d sinks = -sum over rows of P(sink) * delta: each row's term in fixed point, summed exactly over the ring."""
     b, h, t = lse.shape
-    p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+    p_sink = sink_probability(sinks, lse)
     e_s = fixed.exponent(_MARGIN * b * t * opts.axis_size * _bound(delta, opts))
     part = fixed.total(fixed.encode(-(p_sink * delta), e_s), (0, 2))
     return _one_device(fixed.decode(fixed.psum(part, opts.axis_name), e_s), opts).astype(sinks.dtype)

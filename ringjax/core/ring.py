@@ -33,7 +33,7 @@ from ringjax.core.shards import (
     whole,
 )
 from ringjax.core.tiles import shard_range
-from ringjax.merge import add_sinks, merge_attention
+from ringjax.merge import add_sinks, merge_attention, sink_probability
 from ringjax.options import AttentionOptions
 
 
@@ -328,8 +328,7 @@ def _bwd_rule(opts, kernel, config, res, cts):
     if sinks is not None and opts.invariant:
         dsinks = invariant.sinks_grad(sinks, lse, delta, opts)
     elif sinks is not None:
-        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
-        dsinks = (-(p_sink * delta).sum(axis=(0, 2))).astype(sinks.dtype)
+        dsinks = (-(sink_probability(sinks, lse) * delta).sum(axis=(0, 2))).astype(sinks.dtype)
     dextras = Extras(alibi_slopes=None if not alibi else dslopes.astype(extras.alibi_slopes.dtype))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, dsinks, dextras)
 
