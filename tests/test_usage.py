@@ -84,6 +84,46 @@ def test_every_mesh_kind_and_calling_mode(mesh_name, how):
     assert "sp" in str(out.sharding.spec[1])
 
 
+@pytest.mark.parametrize("mesh_name", ["Mesh(dp,sp,tp)", "make_mesh(dp,sp,tp)"])
+@pytest.mark.parametrize("how", ["mesh_arg", "set_mesh"])
+def test_inside_a_shard_map_manual_over_data_only(mesh_name, how):
+    """Data parallelism by hand (shard_map over "dp" alone), ring attention on the rest of the mesh: with
+    mesh= the concrete mesh's axes are not Manual there, so the call takes the enclosing abstract mesh."""
+    need_devices(8)
+    mesh = MESHES[mesh_name]()
+    n, layout = mesh.shape["sp"], "zigzag"
+    x = make_inputs(23, batch=2, seq=32, heads=4, kv_heads=2, segments="random", sinks=True)
+    spec = _spec(mesh)
+    put = lambda a, s: jax.device_put(ringjax.to_layout(jnp.asarray(a), layout, n), NamedSharding(mesh, s))  # noqa: E731
+    q, k, v = (put(x[name], spec) for name in ("q", "k", "v"))
+    seg = put(x["segment_ids"], P(spec[0], "sp"))
+    kw = dict(causal=True, layout=layout, return_lse=True, sinks=jnp.asarray(x["sinks"]))
+
+    def per_data_shard(q, k, v, seg):
+        if how == "mesh_arg":
+            return ringjax.ring_attention(q, k, v, segment_ids=seg, mesh=mesh, **kw)
+        return ringjax.ring_attention(q, k, v, segment_ids=seg, **kw)
+
+    fn = jax.shard_map(per_data_shard, mesh=mesh, in_specs=(P("dp"),) * 4, out_specs=(P("dp"), P("dp")),
+                       axis_names={"dp"})
+    with jax.set_mesh(mesh):
+        out, lse = jax.jit(fn)(q, k, v, seg)
+    ref = reference_for(x, causal=True)
+    assert rel_err(ringjax.from_layout(out, layout, n), ref["out"]) < 1e-5
+    assert rel_err(ringjax.from_layout(lse, layout, n, axis=2), ref["lse"]) < 1e-5
+
+
+def test_mesh_arg_unlike_the_enclosing_shard_map_is_refused():
+    need_devices(8)
+    mesh = MESHES["make_mesh(dp,sp,tp)"]()
+    other = _explicit_mesh((2, 4), ("dp", "sp"))
+    q = jax.device_put(jnp.ones((2, 32, 4, 16)), NamedSharding(mesh, P("dp")))
+    fn = jax.shard_map(lambda q: ringjax.ring_attention(q, q, q, axis_name="sp", mesh=other), mesh=mesh,
+                       in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"})
+    with pytest.raises(ValueError, match="not the mesh of the enclosing shard_map"):
+        jax.jit(fn)(q)
+
+
 def test_global_call_on_auto_mesh_has_gradients():
     need_devices(4)
     mesh = _auto_mesh((4,), ("sp",))

@@ -92,6 +92,18 @@ def check_mesh(mesh) -> None:
                         f"{type(mesh).__name__}")
 
 
+def _within_shard_map(mesh):
+    """`mesh`, or inside a shard_map manual over some of its axes, the enclosing abstract mesh: there the axes
+    are typed Manual, and arrays laid out on the concrete mesh (Auto or Explicit axes) are rejected."""
+    context = jax.sharding.get_abstract_mesh()
+    if context is None or context.empty or not context.manual_axes:
+        return mesh
+    if dict(context.shape) != dict(mesh.shape):
+        raise ValueError(f"mesh= (axes {dict(mesh.shape)}) is not the mesh of the enclosing shard_map (axes "
+                         f"{dict(context.shape)}); omit mesh= inside shard_map")
+    return context
+
+
 def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
     """Which mode a call with `axis_name` (and optional `mesh`) runs in here.
 
@@ -116,7 +128,7 @@ def resolve(axis_name, mesh=None, *, allow_pair: bool = False) -> Call:
             if mesh is not None and mesh.shape.get(name) != size:
                 raise ValueError(f"mesh axis {name!r} does not match the enclosing shard_map's (size {size})")
         return Call("local", axis_name, math.prod(int(b or 1) for b in bound))
-    target = mesh if mesh is not None else _compat.context_mesh()
+    target = _within_shard_map(mesh) if mesh is not None else _compat.context_mesh()
     for name in names:
         if target is None or name not in target.axis_names:
             where = f"mesh axes {tuple(target.axis_names)}" if target is not None else "no mesh"
