@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -165,7 +166,11 @@ def _cmd_cache_export(args) -> int:
     if args.file == "-":
         sys.stdout.write(text)
     else:
-        Path(args.file).write_text(text)
+        try:
+            Path(args.file).write_text(text)
+        except OSError as e:
+            print(f"cannot export to {args.file}: {e}", file=sys.stderr)
+            return 1
         print(f"exported {len(out['entries'])} entries for {kind!r} to {args.file}")
     return 0
 
@@ -202,7 +207,6 @@ def _cmd_tune(args) -> int:
     import jax
 
     from ringjax.dispatch import autotuning, registry
-    from ringjax.options import TUNABLE
 
     settings = autotuning.TuneSettings(
         warmup=args.warmup, repeats=args.repeats, backward=not args.forward_only, progress=not args.no_progress,
@@ -211,8 +215,7 @@ def _cmd_tune(args) -> int:
     result = autotuning.tune_shapes(
         batch=args.batch, seq=args.seq, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         v_head_dim=args.v_head_dim, dtype=args.dtype, axis_size=args.axis_size, implementation=args.implementation,
-        settings=settings,
-        **{name: getattr(args, name) for name in TUNABLE},
+        settings=settings, **_features(args),
     )
     p = result.problem
     print(f"{result.implementation} on {p.device_kind} ({p.platform}), jax {jax.__version__}, "
@@ -239,8 +242,6 @@ def _cmd_strategy(args) -> int:
     from ringjax.strategies import plan
 
     hybrid = tuple(args.hybrid) if args.hybrid else None
-    if args.chip not in plan.CHIPS:
-        raise ValueError(f"--chip must be one of {sorted(plan.CHIPS)}, got {args.chip!r}")
     chip = plan.CHIPS[args.chip]
     if args.link_gbps is not None:  # every transfer at that rate: the measured figures go
         chip = dataclasses.replace(chip, link_bandwidth=args.link_gbps * 1e9, collectives=())
@@ -250,7 +251,7 @@ def _cmd_strategy(args) -> int:
         batch=args.batch, hybrid=hybrid, efficiency=args.efficiency, memory_fraction=args.memory_fraction,
     )
     measured = ", ".join(kind for kind, _ in chip.collectives)
-    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:.0f} GB/s"
+    print(f"cost model: {args.devices} x {chip.name} (link {chip.link_bandwidth / 1e9:g} GB/s"
           + (f"; measured {measured}" if measured else "") + "), "
           f"seq {args.seq} ({args.seq // args.devices} per device), "
           f"batch {args.batch}, heads {args.heads}/{args.kv_heads or args.heads}, "
@@ -346,16 +347,19 @@ def explain(*, shape, kv_heads=None, v_head_dim=None, dtype="bfloat16", precisio
 
 
 def _cmd_explain(args) -> int:
-    from ringjax.options import TUNABLE
+    from ringjax.dispatch import registry
 
-    shape = tuple(int(x) for x in args.shape.split(","))
-    if len(shape) != 4 or min(shape) < 1:
-        raise ValueError(f"--shape must be BATCH,SEQ,HEADS,HEAD_DIM (positive), got {args.shape!r}")
-    features = {name: getattr(args, name) for name in TUNABLE if getattr(args, name) not in (None, False)}
-    print(explain(shape=shape, kv_heads=args.kv_heads, v_head_dim=args.v_head_dim, dtype=args.dtype,
+    device_kind = args.device_kind
+    if device_kind is None and args.platform is not None:
+        try:
+            device_kind = registry.current_device_kind(args.platform)
+        except RuntimeError:  # jax has no such backend here
+            args.parser.error(f"argument --platform: no {args.platform} device on this host; pass --device-kind "
+                              "to explain for one")
+    print(explain(shape=args.shape, kv_heads=args.kv_heads, v_head_dim=args.v_head_dim, dtype=args.dtype,
                   precision=args.precision,
-                  device_kind=args.device_kind, platform=args.platform, devices=args.devices, strategy=args.strategy,
-                  implementation=args.implementation, op=args.op, documents=args.documents, **features))
+                  device_kind=device_kind, platform=args.platform, devices=args.devices, strategy=args.strategy,
+                  implementation=args.implementation, op=args.op, documents=args.documents, **_features(args)))
     return 0
 
 
@@ -363,7 +367,11 @@ def _cmd_calibrate(args) -> int:
     from ringjax.dispatch import calibrate, costs
 
     if args.from_results:
-        kind, kernels = calibrate.rows_from_results(args.from_results, candidates=args.candidates)
+        try:
+            kind, kernels = calibrate.rows_from_results(args.from_results, candidates=args.candidates)
+        except OSError as e:
+            print(f"cannot read --from-results: {e}", file=sys.stderr)
+            return 1
         collectives: list = []
     else:
         sizes = dict(seqs=(256,), floor_seq=128, heads=4, kv_heads=2, head_dims=(32, 64), collective_mib=(1, 4),
@@ -378,12 +386,22 @@ def _cmd_calibrate(args) -> int:
 
 
 class _OneOrTwo(argparse.Action):
-    """nargs="+" capped at two: one value as itself, two as a (left, right) tuple."""
+    """nargs="+" capped at two: one value as itself, two as a (left, right) tuple, which `check` then checks
+    whole (so its error shows the pair as given)."""
+
+    def __init__(self, *args, check, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.check = check
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if len(values) > 2:
-            parser.error(f"{option_string} takes W or LEFT RIGHT")
-        setattr(namespace, self.dest, values[0] if len(values) == 1 else tuple(values))
+        try:
+            if len(values) > 2:
+                raise ValueError("takes W or LEFT RIGHT")
+            value = values[0] if len(values) == 1 else tuple(values)
+            self.check(value)
+        except (TypeError, ValueError) as e:
+            parser.error(str(argparse.ArgumentError(self, str(e))))
+        setattr(namespace, self.dest, value)
 
 
 # flags the tune command had before they were generated from ringjax.options.TUNABLE
@@ -404,19 +422,72 @@ def _add_feature_flags(p: argparse.ArgumentParser) -> None:
         elif kw.type is bool:
             p.add_argument(*flags, dest=name, action="store_true", help=kw.help)
         elif kw.pair:
-            p.add_argument(*flags, dest=name, type=kw.type, nargs="+", action=_OneOrTwo, metavar="N", help=kw.help)
-        else:
+            p.add_argument(*flags, dest=name, type=kw.type, nargs="+", action=_OneOrTwo, check=_feature_check(name),
+                           metavar="N", help=kw.help)
+        elif kw.type in (int, float):
+            p.add_argument(*flags, dest=name, type=_checked(kw.type, _feature_check(name)), default=kw.default,
+                           help=kw.help)
+        else:  # a word: argparse checks the choices
             p.add_argument(*flags, dest=name, type=kw.type, default=kw.default, choices=kw.choices, help=kw.help)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
+def _features(args) -> dict:
+    """The TUNABLE features as parsed, defaults included: every value the user gave reaches the library, a falsy
+    one too (a sliding window of 0)."""
+    from ringjax.options import TUNABLE
+
+    return {name: getattr(args, name) for name in TUNABLE}
+
+
+def _checked(convert, check):
+    """An argparse type: `convert(text)`, then `check(value)`; a failure of either becomes argparse's error
+    naming the flag (exit code 2, usage on stderr) instead of a traceback or an error after the parse."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {convert.__name__} value: {text!r}") from None
+        try:
+            check(value)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    return parse
+
+
+def _feature_check(name: str):
+    """A feature flag's check: `make_options`, as the library checks a call's value, so `tune`, `explain` and
+    ring_attention refuse the same values in the same words. Alone, without the other flags: a causal window's
+    right side is refused if negative, where the library would drop it."""
+    from ringjax.options import make_options
+
+    return lambda value: make_options(1, axis_name=None, axis_size=1, **{name: value})
+
+
+def _at_least_one(value: int) -> None:
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+        raise ValueError(f"must be a positive integer, got {value}")
+
+
+_positive_int = _checked(int, _at_least_one)
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    """--shape's BATCH,SEQ,HEADS,HEAD_DIM."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:  # not integers: refused below, with the form expected
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"must be BATCH,SEQ,HEADS,HEAD_DIM (four positive integers), got {text!r}")
+    return shape
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ringjax.strategies import plan
+
     parser = argparse.ArgumentParser(prog="python -m ringjax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -451,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_cache_import)
 
     p = sub.add_parser("strategy", help="the cost model's prediction for each strategy, and what 'auto' picks")
-    p.add_argument("--chip", required=True, help="one of ringjax.strategies.plan.CHIPS: h100, h200, tpu_v4, ...")
+    p.add_argument("--chip", required=True, choices=sorted(plan.CHIPS), help="a chip of ringjax.strategies.plan.CHIPS")
     p.add_argument("--devices", type=_positive_int, required=True, help="devices the sequence is split over")
     p.add_argument("--seq", type=_positive_int, required=True, help="global sequence length")
     p.add_argument("--heads", type=_positive_int, required=True)
@@ -464,13 +535,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="contiguous", choices=("contiguous", "zigzag", "striped"))
     p.add_argument("--hybrid", type=_positive_int, nargs=2, metavar=("HEAD", "RING"),
                    help="also predict hybrid with HEAD x RING devices")
-    p.add_argument("--efficiency", type=float, default=0.6, help="fraction of peak FLOP/s a kernel reaches")
-    p.add_argument("--memory-fraction", type=float, default=0.5, help="share of HBM a strategy may use")
-    p.add_argument("--link-gbps", type=float, help="one-way link GB/s for every transfer (not the chip's figures)")
+    p.add_argument("--efficiency", type=_checked(float, functools.partial(plan.check_fraction, "efficiency")),
+                   default=0.6, help="fraction of peak FLOP/s a kernel reaches")
+    p.add_argument("--memory-fraction", type=_checked(float, functools.partial(plan.check_fraction,
+                                                                                "memory_fraction")),
+                   default=0.5, help="share of HBM a strategy may use")
+    p.add_argument("--link-gbps", type=_checked(float, functools.partial(plan.check_rate, "link_gbps")),
+                   help="one-way link GB/s for every transfer (not the chip's figures)")
     p.set_defaults(run=_cmd_strategy)
 
     p = sub.add_parser("explain", help="what ring_attention would run for global shapes, and why (runs nothing)")
-    p.add_argument("--shape", required=True, help="global q shape BATCH,SEQ,HEADS,HEAD_DIM, e.g. 1,32768,32,128")
+    p.add_argument("--shape", type=_shape, required=True,
+                   help="global q shape BATCH,SEQ,HEADS,HEAD_DIM, e.g. 1,32768,32,128")
     p.add_argument("--kv-heads", type=_positive_int, help="default: HEADS")
     p.add_argument("--v-head-dim", type=_positive_int, help="v's head_dim (multi-head latent attention; default: "
                                                            "HEAD_DIM)")
@@ -486,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="packed sequences: every row holds this many documents of equal length (implies "
                         "--segments); priced by the blocks they skip")
     _add_feature_flags(p)
-    p.set_defaults(run=_cmd_explain)
+    p.set_defaults(run=_cmd_explain, parser=p)
 
     p = sub.add_parser("calibrate", help="measure this device's kernel and collective rates (what 'auto' predicts "
                                          "from), or build them from benchmark results")
@@ -530,6 +606,9 @@ def main(argv=None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file that cannot be read or written: not a usage error, as for `cache import`
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ class AttentionOptions:
     deterministic: bool | str = False
 
     def __post_init__(self):
+        self._check_types()
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.window is not None:
@@ -85,6 +86,30 @@ class AttentionOptions:
             raise ValueError(f"subshards must be >= 1, got {self.subshards}")
         if not isinstance(self.deterministic, bool) and self.deterministic != INVARIANT:
             raise ValueError(f"deterministic must be a bool or {INVARIANT!r}, got {self.deterministic!r}")
+
+    def _check_types(self) -> None:
+        """TypeError naming the field, for options built directly rather than by `make_options` (which converts
+        the public keywords first): the value checks after compare numbers and unpack the window."""
+        def fail(name, expected):
+            raise TypeError(f"AttentionOptions.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        def number(x, kind):
+            return not isinstance(x, bool) and isinstance(x, (int, np.integer) if kind is int else
+                                                          (int, float, np.integer, np.floating))
+
+        for name in ("causal", "has_segments", "has_sinks", "has_alibi", "gather_kv"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+        for name, kind, optional in (("softmax_scale", float, False), ("logits_soft_cap", float, True),
+                                     ("dropout_rate", float, False), ("axis_size", int, False),
+                                     ("chunk_size", int, True), ("num_sink_tokens", int, False),
+                                     ("subshards", int, False)):
+            value = getattr(self, name)
+            if not (number(value, kind) or optional and value is None):
+                fail(name, f"{'None or ' if optional else ''}a{'n int' if kind is int else ' number'}")
+        if self.window is not None and not (isinstance(self.window, tuple) and len(self.window) == 2
+                                            and all(number(x, int) for x in self.window)):
+            fail("window", "None or a (left, right) tuple of ints")
 
     @property
     def invariant(self) -> bool:
@@ -271,6 +296,8 @@ class Keyword:
             return _static_number(value, self.name, self.type)
         if isinstance(value, str) and value in self.also:
             return value
+        if self.type is bool and isinstance(value, np.bool_):  # a numpy comparison's result, as from a config
+            return bool(value)
         if not isinstance(value, self.type):
             among = f", one of {self.choices}" if self.choices else ""
             among += "".join(f" or {a!r}" for a in self.also)

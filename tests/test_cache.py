@@ -209,6 +209,15 @@ def test_export_import_and_shipped(cache_dir, tmp_path, monkeypatch, capsys):
     assert cli(["cache", "import", str(tmp_path / "missing.json")]) == 1
 
 
+def test_cli_export_to_a_missing_folder(tmp_path, capsys):
+    """As `cache import` of a missing file: a message naming the file, exit code 1, no traceback."""
+    cache.user_store("cpu").put(_entry(_problem()))
+    target = tmp_path / "missing" / "cpu.json"
+    assert cli(["cache", "export", str(target), "--device-kind", "cpu"]) == 1
+    assert capsys.readouterr().err.startswith(f"cannot export to {target}: ")
+    assert not target.parent.exists()
+
+
 def test_cli_tune_arguments_are_checked(capsys):
     assert cli(["tune", "--batch", "1", "--seq", "30", "--heads", "2", "--head-dim", "8", "--axis-size", "4"]) == 2
     assert "seq (30) must be divisible by 4" in capsys.readouterr().err

@@ -731,6 +731,38 @@ def test_explain_cli_float32_highest(capsys):
     assert "must be divisible by 8" in capsys.readouterr().err
 
 
+def test_explain_cli_keeps_a_window_of_0(capsys):
+    """A window of 0 (a query sees only itself) is falsy, yet a value: it reaches the report."""
+    argv = ["explain", "--shape", "1,1024,8,64", "--causal", "--device-kind", H100]
+    assert main(argv) == 0
+    assert "sliding_window" not in capsys.readouterr().out
+    assert main(argv + ["--sliding-window", "0"]) == 0
+    assert "causal, sliding_window;" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+def test_explain_cli_asks_for_the_kind_of_a_platform_this_host_lacks(capsys, platform):
+    try:
+        jax.devices(platform)
+    except RuntimeError:
+        pass
+    else:
+        pytest.skip(f"this host has a {platform}")
+    with pytest.raises(SystemExit) as exit:
+        main(["explain", "--shape", "1,1024,8,64", "--platform", platform])
+    assert exit.value.code == 2
+    assert f"argument --platform: no {platform} device on this host; pass --device-kind" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["a,b,c,d", "1,1024,8", "1,0,8,64"])
+def test_explain_cli_names_a_bad_shape(capsys, shape):
+    with pytest.raises(SystemExit) as exit:
+        main(["explain", "--shape", shape])
+    assert exit.value.code == 2
+    assert (f"argument --shape: must be BATCH,SEQ,HEADS,HEAD_DIM (four positive integers), got {shape!r}"
+            in capsys.readouterr().err)
+
+
 def test_explain_here_and_for_an_unknown_kind():
     here = explain(shape=(2, 1024, 4, 64), causal=True)
     if jax.default_backend() == "cpu":
@@ -793,6 +825,14 @@ def test_calibrate_from_results_cli(tmp_path, capsys):
     # fitted from 1K to 32K with both, within 1% (with an intercept instead it was 614, the 32K call's 607)
     fwd = rates[("pallas_mosaic_gpu", "bfloat16")].tflops["fwd"]
     assert fwd == pytest.approx(costs.load(H100).rates_for("pallas_mosaic_gpu", "bfloat16").tflops["fwd"], rel=0.01)
+
+
+def test_calibrate_from_results_cli_names_a_missing_file(tmp_path, capsys):
+    missing, out = tmp_path / "missing.jsonl", tmp_path / "out.json"
+    assert main(["calibrate", "--from-results", str(missing), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cannot read --from-results: ") and str(missing) in err and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_chip_model_is_kept_where_a_chip_is_named():

@@ -71,6 +71,27 @@ def test_make_options_defaults_come_from_the_declaration():
         make_options(16, axis_name=None, axis_size=1, has_sinks=None)
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("window", (1,), "window must be None or a .left, right. tuple of ints"),
+    ("window", [1, 2], "window must be None or a"),
+    ("logits_soft_cap", "x", "logits_soft_cap must be None or a number"),
+    ("softmax_scale", None, "softmax_scale must be a number"),
+    ("causal", "yes", "causal must be a bool"),
+    ("has_alibi", 1, "has_alibi must be a bool"),
+    ("chunk_size", 2.0, "chunk_size must be None or an int"),
+    ("num_sink_tokens", True, "num_sink_tokens must be an int"),
+])
+def test_attention_options_built_directly_name_the_field(field, value, match):
+    with pytest.raises(TypeError, match=f"AttentionOptions.{match}"):
+        AttentionOptions(**{field: value})
+
+
+def test_numpy_bools_are_bools():
+    import numpy as np
+
+    assert make_options(16, axis_name=None, axis_size=1, causal=np.bool_(True)).causal is True
+
+
 class _Tuned(Exception):
     pass
 
@@ -157,6 +178,30 @@ def test_cli_tune_old_flags_and_window_forms(monkeypatch):
     assert (got["sliding_window"], got["logits_soft_cap"]) == (16, 5.0)
     with pytest.raises(SystemExit):
         _cli_tune(monkeypatch, "--sliding-window", "1", "2", "3")
+
+
+@pytest.mark.parametrize("flag, values, keyword", [
+    ("--softmax-scale", ["0"], {"softmax_scale": 0.0}),
+    ("--logits-soft-cap", ["0"], {"logits_soft_cap": 0.0}),
+    ("--softcap", ["nan"], {"logits_soft_cap": math.nan}),
+    ("--chunk-size", ["0"], {"chunk_size": 0}),
+    ("--sliding-window", ["4", "-1"], {"sliding_window": (4, -1)}),
+    ("--num-sink-tokens", ["-1"], {"num_sink_tokens": -1}),
+])
+def test_cli_feature_flags_are_refused_as_the_library_refuses_them(capsys, flag, values, keyword):
+    """`tune` and `explain` refuse a feature value the library refuses, at the parse (exit code 2), naming the
+    flag, in the library's words; 0 is a value, not an absent flag."""
+    from ringjax.__main__ import main
+
+    with pytest.raises(ValueError) as library:
+        make_options(64, axis_name=None, axis_size=1, **keyword)
+    for command in (["tune", "--batch", "1", "--seq", "64", "--heads", "2", "--head-dim", "8"],
+                    ["explain", "--shape", "1,1024,8,64", "--device-kind", "NVIDIA H100 80GB HBM3"]):
+        with pytest.raises(SystemExit) as exit:
+            main(command + [flag, *values])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and f"{command[0]}: error: argument " in err and flag in err, err
+        assert str(library.value) in err, err
 
 
 def test_feature_keywords_fill_attention_options():

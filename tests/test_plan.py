@@ -187,3 +187,38 @@ def test_strategy_cli(capsys):
     text = capsys.readouterr().out
     assert "ring " in text and "all_gather " in text and "ulysses " in text
     assert "strategy='auto' picks ulysses" in text  # contiguous causal
+
+
+_STRATEGY = ["strategy", "--chip", "h100", "--devices", "4", "--seq", "1024", "--heads", "8", "--head-dim", "64"]
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--link-gbps", "0", "link_gbps must be a positive finite number, got 0.0"),  # was a ZeroDivisionError
+    ("--link-gbps", "-5", "link_gbps must be a positive finite number, got -5.0"),  # was negative times
+    ("--link-gbps", "nan", "link_gbps must be a positive finite number, got nan"),
+    ("--link-gbps", "inf", "link_gbps must be a positive finite number, got inf"),
+    ("--efficiency", "0", "efficiency must be in (0, 1], got 0.0"),
+    ("--efficiency", "nan", "efficiency must be in (0, 1], got nan"),
+    ("--memory-fraction", "1.5", "memory_fraction must be in (0, 1], got 1.5"),
+    ("--seq", "abc", "invalid int value: 'abc'"),
+    ("--devices", "0", "must be a positive integer, got 0"),
+])
+def test_strategy_cli_refuses_bad_numbers_naming_the_flag(capsys, flag, value, says):
+    from ringjax.__main__ import main
+
+    with pytest.raises(SystemExit) as exit:
+        main(_STRATEGY + [flag, value])
+    assert exit.value.code == 2
+    assert f"strategy: error: argument {flag}: {says}" in capsys.readouterr().err
+
+
+def test_strategy_cli_link_rate_and_the_chips_own_check(capsys):
+    from ringjax.__main__ import main
+
+    assert main(_STRATEGY + ["--link-gbps", "0.5"]) == 0
+    assert "(link 0.5 GB/s)" in capsys.readouterr().out
+    # the library refuses what the flags refuse, in the same words
+    with pytest.raises(ValueError, match="link_bandwidth must be a positive finite number, got 0"):
+        dataclasses.replace(CHIPS["h100"], link_bandwidth=0)
+    with pytest.raises(ValueError, match=r"efficiency must be in \(0, 1\], got nan"):
+        planmod.strategy_costs("h100", devices=4, seq_len=1024, heads=8, kv_heads=8, head_dim=64, efficiency=math.nan)

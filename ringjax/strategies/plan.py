@@ -33,6 +33,18 @@ from ringjax.layouts import sorted_shards
 from ringjax.options import LAYOUTS, AttentionOptions, chunks_per_shard, keywords_of, sequence_chunks
 
 
+def check_fraction(name, value):
+    """A share in (0, 1] (not nan); `python -m ringjax strategy` checks its flags with it too."""
+    if not 0 < value <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+
+def check_rate(name, value):
+    """A positive finite rate (FLOP/s, bytes/s); `python -m ringjax strategy` checks --link-gbps with it too."""
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Chip:
     """Per-chip figures: published dense bf16 FLOP/s, HBM bytes/s, one-way bytes/s to one ring neighbour;
@@ -51,6 +63,10 @@ class Chip:
     # (forward, backward) seconds the ring pays at each step after the first beyond its kernels and the
     # transfers they do not hide: launches, the lse merge and gradient sums in HBM, the ppermute's latency
     ring_step_s: tuple[float, float] = (0.0, 0.0)
+
+    def __post_init__(self):
+        for name in ("peak_flops", "hbm_bandwidth", "link_bandwidth"):  # divisors of every time the model gives
+            check_rate(name, getattr(self, name))
 
     def collective(self, kind: str) -> Collective | None:
         """The measured figure of `kind`, or None."""
@@ -274,8 +290,7 @@ def plan(
         raise ValueError("TPUs have no float16 matmul rate to model; use bfloat16")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not (0 < efficiency <= 1):
-        raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+    check_fraction("efficiency", efficiency)
     if not backward_flop_factor > 0:
         raise ValueError(f"backward_flop_factor must be positive, got {backward_flop_factor}")
     recommended = "zigzag" if causal else "contiguous"
@@ -437,8 +452,7 @@ def strategy_costs(
     the float32 gradient buffers; a strategy fits if that is within `memory_fraction` of HBM.
     """
     _check_int("devices", devices)
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    check_fraction("memory_fraction", memory_fraction)
     if hybrid is not None:
         if (not isinstance(hybrid, tuple) or len(hybrid) != 2 or any(isinstance(x, bool) or not isinstance(x, int)
                                                                     or x < 1 for x in hybrid)
