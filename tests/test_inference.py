@@ -1,5 +1,6 @@
 """KVCache and cache_attention against the float64 reference: decode, prefill (whole and chunked),
-ragged rows, every mask feature, both strategies, global arrays and shard_map, jit and lax.scan."""
+ragged rows, every mask feature, both strategies, global arrays and shard_map, jit and lax.scan;
+gradients (sinks only)."""
 
 from __future__ import annotations
 
@@ -224,6 +225,44 @@ def test_one_device_without_a_mesh():
     cache = ringjax.KVCache.create(2, 12, KV_HEADS, HEAD_DIM, dtype=jnp.float32, mesh=None)
     assert cache.axis_size == 1 and cache.mesh is None
     _session(cache, q, k, v, [(6, [6, 4], "auto")])
+
+
+def test_axis_name_none_is_one_device_and_refuses_a_mesh_like_ring_attention():
+    mesh = mesh_of(4)
+    with jax.set_mesh(mesh):  # the context mesh is not used without an axis to shard over
+        cache = ringjax.KVCache.create(1, 8, KV_HEADS, HEAD_DIM, axis_name=None)
+    assert cache.axis_size == 1 and cache.mesh is None and cache.call().mode == "single"
+    x = jnp.ones((1, 8, KV_HEADS, HEAD_DIM))
+    for make in (lambda: ringjax.KVCache.create(1, 32, KV_HEADS, HEAD_DIM, mesh=mesh, axis_name=None),
+                 lambda: ringjax.ring_attention(x, x, x, mesh=mesh, axis_name=None)):
+        with pytest.raises(ValueError, match="mesh= needs axis_name"):
+            make()
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_gradient_only_with_respect_to_sinks(n):
+    """d/d sinks matches the reference (one device, and a mesh under jit); d/d q, the cache or the ALiBi
+    slopes, forward or reverse, raises the op's own error instead of JAX's about its loops or pmax."""
+    q, k, v = _tokens(40 + n, 2, 8)
+    mesh = mesh_of(n) if n > 1 else None
+    cache = ringjax.KVCache.create(2, 8, KV_HEADS, HEAD_DIM, dtype=jnp.float32, mesh=mesh,
+                                   axis_name="sp" if mesh else None).append(jnp.asarray(k), jnp.asarray(v))
+    q, sinks = jnp.asarray(q), jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    dout = np.random.default_rng(n).standard_normal(q.shape).astype(np.float32)
+    ref = attention_reference(np.asarray(q), k, v, causal=True, sinks=np.asarray(sinks), dout=dout)
+    loss = lambda q, cache, sinks, strategy="auto", **kw: (  # noqa: E731
+        ringjax.cache_attention(q, cache, sinks=sinks, strategy=strategy, **kw) * dout).sum()
+    got = jax.jit(jax.grad(loss, argnums=2))(q, cache, sinks)
+    assert rel_err(got, ref["dsinks"], ref["dsinks_terms"]) < 1e-5
+    with pytest.raises(TypeError, match="cache_attention is for inference: it has no gradient with respect to q"):
+        jax.grad(loss)(q, cache, sinks)
+    for strategy in ("pass_q", "pass_kv"):
+        with pytest.raises(TypeError, match="use ring_attention for training"):
+            jax.jit(jax.grad(loss), static_argnums=3)(q, cache, sinks, strategy)
+    with pytest.raises(TypeError, match="cache_attention is for inference"):
+        jax.grad(loss, argnums=1, allow_int=True)(q, cache, sinks)
+    with pytest.raises(TypeError, match="cache_attention is for inference"):
+        jax.jvp(lambda a: loss(q, cache, sinks, alibi_slopes=a), (sinks,), (sinks,))
 
 
 def test_capacity_overflow_raises_and_never_overwrites():

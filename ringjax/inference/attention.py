@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
@@ -20,6 +21,20 @@ from ringjax.options import checked_keywords, described, make_options, option_in
 
 OP = "cache_attention"
 _LOG = logging.getLogger("ringjax.implementation")  # what runs, once per compiled call
+_NO_GRADIENT = ("cache_attention is for inference: it has no gradient with respect to q, the cache's keys and values "
+               "or alibi_slopes (sinks only); use ring_attention for training")
+
+
+def _inference_only(f):
+    """f, whose derivative raises TypeError(_NO_GRADIENT) in place of JAX's errors about its loops with traced
+    bounds and the merge's pmax; a call whose inputs carry no tangent runs f as it is."""
+    f = jax.custom_jvp(f)
+
+    @f.defjvp
+    def _(primals, tangents):
+        raise TypeError(_NO_GRADIENT)
+
+    return f
 
 
 def _check_heads_array(x, name: str, heads: int) -> None:
@@ -64,7 +79,8 @@ def cache_attention(
     this device's contiguous block of the t queries (and the results are that block's).
     `strategy` ("auto", "pass_q", "pass_kv") says which of queries or cache stripes travel
     (`ringjax.inference.spread`). Returns out [batch, t, heads, v_head_dim] in q's dtype and, with
-    `return_lse`, lse [batch, heads, t] float32.
+    `return_lse`, lse [batch, heads, t] float32. Differentiable with respect to `sinks` only: a gradient
+    with respect to q, the cache or `alibi_slopes` raises TypeError (use `ring_attention` to train).
     """
     arguments = dict(locals())
     if not isinstance(cache, KVCache):
@@ -129,13 +145,16 @@ def cache_attention(
                         f"{reg.name!r}, got {type(config).__name__}")
     run = spread.RUNS[strategy]
 
-    def per_device(q, k, v, lengths, counts, sinks, slopes):
+    @_inference_only
+    def attend(q, k, v, lengths, counts, slopes):
         shard = lax.axis_index(call.axis_name) if call.mode != "single" else 0
-        out, lse, real = run(impl.partials, q, k, v, lengths, counts, shard=shard, axis_name=call.axis_name,
-                             axis_size=n, t_total=t_total, opts=opts, extras=Extras(alibi_slopes=slopes),
-                             config=config)
+        return run(impl.partials, q, k, v, lengths, counts, shard=shard, axis_name=call.axis_name, axis_size=n,
+                   t_total=t_total, opts=opts, extras=Extras(alibi_slopes=slopes), config=config)
+
+    def per_device(q, k, v, lengths, counts, sinks, slopes):
+        out, lse, real = attend(q, k, v, lengths, counts, slopes)
         lse = lse.swapaxes(1, 2)  # [B, H, t]
-        if sinks is not None:
+        if sinks is not None:  # outside attend: differentiable, so learnable sinks can be tuned on a cache
             out, lse = add_sinks(out, lse, sinks)
         out = jnp.where(real[:, :, None, None], out, 0.0).astype(q.dtype)
         return out, jnp.where(real[:, None, :], lse, -jnp.inf)

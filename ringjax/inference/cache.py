@@ -108,8 +108,9 @@ class KVCache:
 
         Inside `shard_map` over `axis_name` it holds this device's stripe; otherwise its buffers are
         global arrays sharded over `axis_name` of `mesh` (or the mesh set by `jax.set_mesh`), batch over
-        the mesh's other axes where they divide it; with no mesh (or axis_name=None) it lives on one
-        device. `capacity` must be a multiple of the axis size. A cache made inside shard_map that
+        the mesh's other axes where they divide it; with axis_name=None, or no mesh (none given, none set
+        with that axis), it lives on one device. axis_name=None with `mesh=` raises ValueError, as in
+        `ring_attention`. `capacity` must be a multiple of the axis size. A cache made inside shard_map that
         leaves it (out_specs `shard_specs()` of a cache made outside) is given the same `mesh=`, so that
         both have the same static fields.
         """
@@ -119,6 +120,10 @@ class KVCache:
         if axis_name is not None and not isinstance(axis_name, str):
             raise TypeError(f"axis_name must be a str or None, got {type(axis_name).__name__}")
         calling.check_mesh(mesh)
+        if axis_name is None and mesh is not None:
+            # as in ring_attention: a mesh given to shard over but no axis of it named is ambiguous, not one device
+            raise ValueError("mesh= needs axis_name: name the mesh axis the cache is sharded over, or leave mesh out "
+                             "for a cache on one device")
         try:
             floating = jnp.issubdtype(dtype, jnp.floating)
         except TypeError:  # not a dtype at all (e.g. "foo")
