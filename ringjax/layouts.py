@@ -94,6 +94,9 @@ def _check_out_sharding(out_sharding) -> None:
     if out_sharding is not None and not isinstance(out_sharding, (jax.sharding.Sharding, jax.sharding.PartitionSpec)):
         raise TypeError(f"out_sharding must be None, a jax.sharding.Sharding or (under jax.set_mesh) a PartitionSpec, "
                         f"got {out_sharding!r}")
+    if isinstance(out_sharding, jax.sharding.PartitionSpec) and _compat.context_mesh() is None:
+        raise ValueError(f"out_sharding={out_sharding} names mesh axes but no mesh is set: call under "
+                         "jax.set_mesh(mesh), or pass NamedSharding(mesh, spec)")
 
 
 def _normalize_axis(x, axis: int) -> int:

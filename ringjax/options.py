@@ -219,6 +219,11 @@ def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, lo
             raise ValueError(f"segment_ids must have shape [batch, seq] = {(batch, seq)}, got {segment_ids.shape}")
         if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise TypeError(f"segment_ids must be an integer array (int32), got {segment_ids.dtype}")
+        if isinstance(segment_ids, np.ndarray) and np.dtype(segment_ids.dtype).itemsize > 4 and segment_ids.size:
+            # wider host ids are cast to int32, where ids that differ by 2**32 would become one document
+            low, high = int(segment_ids.min()), int(segment_ids.max())
+            if low < -2**31 or high >= 2**31:
+                raise ValueError(f"segment_ids must fit int32, got values in [{low}, {high}]")
     if sinks is not None:
         if not hasattr(sinks, "shape"):
             raise TypeError(f"sinks must be a float array of shape [heads], got {type(sinks).__name__}")

@@ -108,14 +108,18 @@ def ring_attention_varlen(
     `ring_attention`, are in `layout` order (see `to_layout`).
 
     Takes the keyword arguments of `ring_attention` except `segment_ids` (derived from
-    cu_seqlens). Returns out [total_tokens, heads, v_head_dim] and, with `return_lse`,
-    lse [heads, total_tokens]. cu_seqlens values are checked (start 0, non-decreasing,
-    within the tokens) only when concrete; under jit they are trusted.
+    cu_seqlens) and the hybrid strategy (one axis_name). Returns out [total_tokens, heads,
+    v_head_dim] and, with `return_lse`, lse [heads, total_tokens]. cu_seqlens values are
+    checked (start 0, non-decreasing, within the tokens) only when concrete; under jit they
+    are trusted.
     """
     check_keywords("ring_attention_varlen", kwargs, KEYWORDS_BY_NAME.keys() - {"segment_ids"},
                    hints={"segment_ids": "it derives segment_ids from cu_seqlens"})
     _check_varlen(q, k, v, cu_seqlens)
     axis_name = kwargs.get("axis_name", "sp")
+    if isinstance(axis_name, (tuple, list)) or kwargs.get("strategy") == "hybrid":
+        raise ValueError("ring_attention_varlen takes one axis_name, not the hybrid strategy's (head_axis, ring_axis) "
+                         "pair; for hybrid, call ring_attention with segment_ids")
     layout = kwargs.get("layout", "contiguous")
     call = calling.resolve(axis_name, kwargs.get("mesh"))
     mode, axis_size = call.mode, call.axis_size

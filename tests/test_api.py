@@ -127,6 +127,8 @@ BAD = [
         q, k, v, axis_name=None, segment_ids=jnp.zeros((1, 15), jnp.int32))),
     ("segment_ids must be an integer", lambda q, k, v: ringjax.ring_attention(
         q, k, v, axis_name=None, segment_ids=jnp.zeros((1, 16), jnp.float32))),
+    ("segment_ids must fit int32, got values in \\[0, 4294967296\\]", lambda q, k, v: ringjax.ring_attention(
+        q, k, v, axis_name=None, segment_ids=np.repeat(np.array([[0, 2**32]], np.int64), 8, axis=1))),
     ("sinks must have shape", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, sinks=jnp.ones(2))),
     ("layout must be one of", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name=None, layout="spiral")),
     ("not bound", lambda q, k, v: ringjax.ring_attention(q, k, v, axis_name="sp")),

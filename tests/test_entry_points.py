@@ -194,6 +194,8 @@ BAD = [
     ("total_tokens 12 must be divisible by 8", lambda q, k, v: ringjax.ring_attention_varlen(
         q[:12], k[:12], v[:12], CU.at[2].set(12), layout="zigzag", mesh=mesh_of(4))),
     ("not bound", lambda q, k, v: ringjax.ring_attention_varlen(q, k, v, CU)),
+    ("takes one axis_name, not the hybrid", lambda q, k, v: ringjax.ring_attention_varlen(
+        q, k, v, CU, axis_name=("h", "r"), strategy="hybrid")),
 ]
 
 

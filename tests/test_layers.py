@@ -253,6 +253,14 @@ def test_core_import_does_not_import_optional_packages():
 
 
 @needs_flax
+@pytest.mark.parametrize("framework", [pytest.param(name, marks=MARKS[name]) for name in LAYERS])
+@pytest.mark.parametrize("field, value", [("dtype", "foo"), ("dtype", jnp.int32), ("param_dtype", None)])
+def test_layer_dtypes_are_refused_by_name(framework, field, value):
+    """A dtype that is not floating names the layer's argument (it was refused at the first call, as q's)."""
+    with pytest.raises(TypeError, match=f"{field} must be a floating-point dtype"):
+        LAYERS[framework](None, "contiguous", {field: value})
+
+
 def test_linen_attributes_are_the_layer_config_fields():
     """Linen declares its attributes; they must stay the config's fields (but in_features), defaults included."""
     import dataclasses

@@ -1,5 +1,6 @@
 """Layouts (positions, reordering) and the lse merge."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,6 +43,8 @@ def test_layout_errors():
     for fn in (ringjax.to_layout, ringjax.from_layout):  # a mesh axis name is not a sharding
         with pytest.raises(TypeError, match="out_sharding must be None, a jax.sharding.Sharding .* got 'sp'"):
             fn(jnp.zeros((1, 8)), "zigzag", 2, out_sharding="sp")
+        with pytest.raises(ValueError, match="names mesh axes but no mesh is set"):  # before jit's own error
+            fn(jnp.zeros((1, 8)), "zigzag", 2, out_sharding=jax.sharding.PartitionSpec(None, "sp"))
 
 
 def test_merge_of_two_key_sets_equals_attention_over_both():

@@ -153,6 +153,20 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
 PROJECTIONS = ("q", "k", "v", "o")
 
 
+def floating_dtype(name: str, dtype, optional: bool = False):
+    """`dtype`, or TypeError naming the argument unless it is a floating-point dtype (or None where `optional`):
+    a layer's dtype is otherwise first used, and refused under q's name, at its first call."""
+    if dtype is None and optional:
+        return None
+    try:
+        floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype at all ("foo")
+        floating = False
+    if not floating:
+        raise TypeError(f"{name} must be a floating-point dtype{' or None' if optional else ''}, got {dtype!r}")
+    return dtype
+
+
 def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
     """Initial parameters by name: the q, k, v, o projections and, with use_sinks, sinks.
 
@@ -161,8 +175,7 @@ def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict
     """
     if not callable(key):
         check_key(key, "key")
-    if not jnp.issubdtype(param_dtype, jnp.floating):
-        raise TypeError(f"param_dtype must be a floating-point dtype, got {param_dtype!r}")
+    floating_dtype("param_dtype", param_dtype)
     keys = [key() for _ in PROJECTIONS] if callable(key) else jax.random.split(key, len(PROJECTIONS))
     shapes = cfg.param_shapes()
     params = {name: init_param(name, k, shapes[name], param_dtype) for name, k in zip(PROJECTIONS, keys)}

@@ -40,7 +40,7 @@ class MultiHeadAttention(eqx.Module):
                  config: AttentionLayerConfig | None = None, dtype=None, param_dtype=jnp.float32, key: PRNGKeyArray,
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
-        self.dtype = dtype
+        self.dtype = core.floating_dtype("dtype", dtype, optional=True)
         params = core.init_params(self.config, key, param_dtype)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (params[n] for n in core.PROJECTIONS)
         self.sinks = params.get("sinks")
