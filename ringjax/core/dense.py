@@ -68,12 +68,6 @@ def tile_grads(qi, doi, kj, vj, lse_i, delta_i, tile: Tile, opts: AttentionOptio
 # products cost 2 T (H S) (H D) FLOPs against the T H D bytes of a Q or dO read, so at H S FLOPs a byte, below the
 # ~300 of a Hopper GPU's ridge, they stay bound by the one read of each
 BLOCK_DIAGONAL_MAX = 256
-# runs of queries whose dK/dV products `few_keys_grads` sums after. As one product, the [H S, H D] output of 32 heads
-# x 4 sink keys by head_dim 128 is 32 of cuBLAS's 64 x 256 tiles, a CTA each on a GPU of 132 SMs: at 32K tokens each
-# of the two (dK, dV) took 0.2 ms, 2.5x a read of Q or dO at 3.35 TB/s (1 H100, jax 0.11.2, 2026-12-07, `checks/
-# nvidia-h100-80gb-hbm3_2026-12-07_gpu_timeline_bwd_window_sinks_clocks.jsonl`). Eight runs make 256 tiles, which
-# should bring each near that read (0.08 ms); not yet measured on a GPU
-QUERY_CHUNKS = 8
 
 
 def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenInfo, extras: Extras,
@@ -123,11 +117,8 @@ def few_keys_grads(q, k, v, dout, lse, delta, q_info: TokenInfo, k_info: TokenIn
         return out.reshape(b, t, h, y.shape[3])
 
     def per_key(w, x):  # sum over queries and groups of w [B, KVH, G, T, S] times x [B, T, H, D]: [B, S, KVH, D]
-        # `QUERY_CHUNKS` runs of queries, a product each, summed after (one product has too few output tiles)
-        c = QUERY_CHUNKS if t % QUERY_CHUNKS == 0 else 1
-        w = w.transpose(0, 3, 1, 2, 4).reshape(b, c, t // c, h * s)
-        full = jnp.einsum("bctx,bcty->bcxy", w, flat(x).reshape(b, c, t // c, -1), preferred_element_type=f32,
-                          precision=prec).sum(1)
+        w = w.transpose(0, 3, 1, 2, 4).reshape(b, t, h * s)
+        full = jnp.einsum("btx,bty->bxy", w, flat(x), preferred_element_type=f32, precision=prec)
         blocks = jnp.diagonal(full.reshape(b, h, s, h, x.shape[3]), axis1=1, axis2=3)  # [B, S, D, H]
         return blocks.reshape(b, s, x.shape[3], kvh, g).sum(-1).transpose(0, 1, 3, 2)
 
