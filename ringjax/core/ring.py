@@ -282,6 +282,9 @@ def _ring_attention(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras=
 
 
 def _fwd(opts, kernel, config, q, k, v, q_seg, kv_seg, sinks, extras):
+    # an eager jax.grad hands this rule its inputs' primal values as given: numpy arrays, which loops index with
+    # traced positions
+    q, k, v, q_seg, kv_seg, sinks, extras = jax.tree.map(jnp.asarray, (q, k, v, q_seg, kv_seg, sinks, extras))
     # where no learnable sinks rescale it, one call's output is final and may come in q's dtype
     out_dtype = q.dtype if kernel.final_dtype and sinks is None else None
     if opts.invariant:  # the same bits on any ring: kernels on granule pairs, sums in fixed point
