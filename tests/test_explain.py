@@ -684,15 +684,17 @@ def test_explain_names_a_gpu_on_a_cpu_host():
 
 def test_explain_says_which_backward_the_shipped_config_runs():
     """The H200's shipped config for 32K tokens not causal asks for the fused backward (faster there since
-    2026-11-28), the one for 8K causal for the split kernels; `deterministic=True` runs the two kernels, and the
-    report says why."""
+    2026-11-28), the one for head_dim 256 at 8K causal for the split kernels; `deterministic=True` runs the two
+    kernels, and the report says why."""
     kw = dict(shape=(1, 32768, 32, 128), kv_heads=8, causal=False, device_kind=H200)
     text = explain(**kw)
     assert "shipped config" in text.splitlines()[0] and '"bwd_fused": true' in text.splitlines()[0]
     assert "backward: one fused kernel (dQ added by TMA reduce-add)" in text
     assert "deterministic=True (the fused backward's dQ sums in no fixed order)" in explain(deterministic=True, **kw)
     # the split kernels, asked for: nothing to say
-    assert "backward:" not in explain(**{**kw, "shape": (1, 8192, 32, 128), "causal": True})
+    split = explain(**{**kw, "shape": (1, 8192, 32, 256), "causal": True})
+    assert "shipped config" in split.splitlines()[0] and '"bwd_fused": false' in split.splitlines()[0]
+    assert "backward:" not in split
 
 
 @pytest.mark.parametrize("kind", ["TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6e"])
