@@ -94,8 +94,7 @@ class AttentionOptions:
             raise TypeError(f"AttentionOptions.{name} must be {expected}, got {getattr(self, name)!r}")
 
         def number(x, kind):
-            return not isinstance(x, bool) and isinstance(x, (int, np.integer) if kind is int else
-                                                          (int, float, np.integer, np.floating))
+            return _is_number(x, integral=kind is int)
 
         for name in ("causal", "has_segments", "has_sinks", "has_alibi", "gather_kv"):
             if not isinstance(getattr(self, name), bool):
@@ -138,8 +137,14 @@ def sequence_chunks(layout: str, axis_size: int) -> int:
 MAX_STATIC_INT = 2**30
 
 
+def _is_number(value: Any, integral: bool = False) -> bool:
+    """A Python or numpy number (an integer one where `integral`), not a bool."""
+    kinds = (int, np.integer) if integral else (int, float, np.integer, np.floating)
+    return isinstance(value, kinds) and not isinstance(value, bool)
+
+
 def _static_number(value: Any, name: str, kind: type) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _is_number(value):
         raise TypeError(f"{name} must be a Python {kind.__name__} (static), got {type(value).__name__}")
     if kind is int and not float(value).is_integer():
         raise TypeError(f"{name} must be an integer, got {value}")
@@ -165,7 +170,17 @@ def normalize_window(sliding_window, causal: bool) -> tuple[int, int] | None:
 
 
 def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    try:
+        return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype at all ("foo")
+        return False
+
+
+def check_float_dtype(name: str, dtype, optional: bool = False):
+    """`dtype`, or TypeError naming the argument unless it is a floating-point dtype (or None where `optional`)."""
+    if not (_is_float(dtype) or optional and dtype is None):
+        raise TypeError(f"{name} must be a floating-point dtype{' or None' if optional else ''}, got {dtype!r}")
+    return dtype
 
 
 def check_inputs(q, k, v, segment_ids, sinks, *, axis_size: int, layout: str, local: bool,

@@ -22,7 +22,7 @@ from ringjax import _compat
 from ringjax.dispatch import calling
 from ringjax.dispatch.calling import ROWS, SEQ, Call
 from ringjax.layouts import from_layout, local_positions
-from ringjax.options import described
+from ringjax.options import check_float_dtype, described
 
 LAYOUT = "striped"
 
@@ -124,12 +124,7 @@ class KVCache:
             # as in ring_attention: a mesh given to shard over but no axis of it named is ambiguous, not one device
             raise ValueError("mesh= needs axis_name: name the mesh axis the cache is sharded over, or leave mesh out "
                              "for a cache on one device")
-        try:
-            floating = jnp.issubdtype(dtype, jnp.floating)
-        except TypeError:  # not a dtype at all (e.g. "foo")
-            floating = False
-        if not floating:
-            raise TypeError(f"dtype must be a floating-point dtype, got {dtype!r}")
+        check_float_dtype("dtype", dtype)
         bound = None if axis_name is None else _compat.axis_size_or_none(axis_name)
         if mesh is None and bound is None and axis_name is not None:
             context = _compat.context_mesh()

@@ -19,7 +19,15 @@ from ringjax.api import ring_attention
 from ringjax.dispatch import registry
 from ringjax.inference import KVCache, cache_attention
 from ringjax.layers.rotary import apply_rotary, token_positions
-from ringjax.options import KEYWORDS_BY_NAME, _static_number, check_key, described, make_options, option_inputs
+from ringjax.options import (
+    KEYWORDS_BY_NAME,
+    _static_number,
+    check_float_dtype,
+    check_key,
+    described,
+    make_options,
+    option_inputs,
+)
 from ringjax.strategies.spread import check_strategy
 
 
@@ -154,17 +162,9 @@ PROJECTIONS = ("q", "k", "v", "o")
 
 
 def floating_dtype(name: str, dtype, optional: bool = False):
-    """`dtype`, or TypeError naming the argument unless it is a floating-point dtype (or None where `optional`):
-    a layer's dtype is otherwise first used, and refused under q's name, at its first call."""
-    if dtype is None and optional:
-        return None
-    try:
-        floating = dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-    except TypeError:  # not a dtype at all ("foo")
-        floating = False
-    if not floating:
-        raise TypeError(f"{name} must be a floating-point dtype{' or None' if optional else ''}, got {dtype!r}")
-    return dtype
+    """`dtype`, checked at construction: a layer's dtype is otherwise first used, and refused under q's name,
+    at its first call."""
+    return check_float_dtype(name, dtype, optional)
 
 
 def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
