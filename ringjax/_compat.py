@@ -302,3 +302,21 @@ def tpu_races_found() -> bool:
         raise RuntimeError(f"this jax ({jax.__version__}) does not expose the interpreter's race state") from e
     state = getattr(interpreter, "races", None)
     return bool(state is not None and state.races_found)
+
+
+# jax 0.12 deprecates the Pallas Triton backend ("jax-pallas-triton"): lowering a kernel warns, or raises where the
+# deprecation is accelerated, and a later jax drops the module (an ImportError the registry reports as a refusal)
+PALLAS_TRITON_DEPRECATION = "jax-pallas-triton"
+
+
+def pallas_triton_withdrawn() -> str | None:
+    """Why this jax will not lower Pallas kernels with Triton on a GPU, or None while it still does."""
+    try:  # not public API: jax keeps its deprecation switches here
+        from jax._src import deprecations
+        accelerated = deprecations.is_accelerated(PALLAS_TRITON_DEPRECATION)
+    except (ImportError, AttributeError, ValueError):  # before jax 0.12 the backend was not deprecated
+        return None
+    if accelerated:
+        return (f"jax {jax.__version__} has withdrawn the Pallas Triton backend (its {PALLAS_TRITON_DEPRECATION!r} "
+                "deprecation is an error here)")
+    return None

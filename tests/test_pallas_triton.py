@@ -196,6 +196,48 @@ def test_kernels_lower_to_triton_for_cuda():
     assert exported.mlir_module().count("xla.gpu.triton") == 1
 
 
+
+@pytest.fixture
+def triton_withdrawn():
+    """jax's Pallas Triton deprecation made an error, as a jax that withdraws the backend does (jax >= 0.12)."""
+    deprecations = pytest.importorskip("jax._src.deprecations")
+    from ringjax._compat import PALLAS_TRITON_DEPRECATION
+
+    try:
+        was = deprecations.is_accelerated(PALLAS_TRITON_DEPRECATION)
+    except ValueError:
+        pytest.skip(f"jax {jax.__version__} does not deprecate the Pallas Triton backend")
+    deprecations.accelerate(PALLAS_TRITON_DEPRECATION)
+    yield
+    deprecations._registered_deprecations[PALLAS_TRITON_DEPRECATION].accelerated = was
+
+
+@pytest.mark.skipif(ON_GPU, reason="lowering check is for CPU-only CI")
+def test_a_withdrawn_triton_backend_is_refused_not_raised(triton_withdrawn):
+    from jax import export
+
+    from ringjax.backends.pallas_triton.implementation import PallasTritonImplementation
+    from ringjax.backends.pallas_triton.kernels import block_fwd
+    from ringjax.core.masks import TokenInfo
+
+    # the premise: such a jax raises when it lowers a kernel for a GPU, which `auto` must never reach
+    info = TokenInfo(jnp.arange(128, dtype=jnp.int32), None)
+    s = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+    check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    with pytest.raises(ValueError, match="Pallas Triton backend is deprecated"):
+        export.export(jax.jit(lambda q: block_fwd(q, q, q, info, info, AttentionOptions(causal=True), GpuConfig())),
+                      platforms=["cuda"], disabled_checks=[check])(s)
+    assert "withdrawn the Pallas Triton backend" in PallasTritonImplementation().supports(_problem())
+    assert PallasTritonImplementation(interpret=True).supports(_problem()) is None  # the interpreter lowers no Triton
+
+
+def test_supported_while_jax_keeps_triton():
+    from ringjax import _compat
+    from ringjax.backends.pallas_triton.implementation import PallasTritonImplementation
+
+    assert _compat.pallas_triton_withdrawn() is None
+    assert PallasTritonImplementation().supports(_problem()) is None
+
 # ----------------------------------------------------------------------------- shared memory (issue 12, defect 2)
 
 SM90, SM80, SM86 = 232448, 166912, 101376  # bytes of shared memory per block on H100/H200, A100, RTX 30/40

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from ringjax import _compat
 from ringjax.backends.pallas_triton import SUPPORT
 from ringjax.backends.pallas_triton import config as cfg
 from ringjax.backends.pallas_triton.config import MIN_BLOCK, GpuConfig
@@ -70,7 +71,8 @@ class PallasTritonImplementation:
     interpret: bool = False
 
     def supports(self, problem: Problem) -> str | None:
-        return refusal(problem, *_shared_memory(problem))
+        withdrawn = None if self.interpret else _compat.pallas_triton_withdrawn()  # the interpreter lowers no Triton
+        return withdrawn or refusal(problem, *_shared_memory(problem))
 
     def _fit(self, problem: Problem, config: GpuConfig) -> GpuConfig | None:
         return cfg.fit(config, problem.head_dim, problem.itemsize, _shared_memory(problem)[1], problem.v_head_dim)
