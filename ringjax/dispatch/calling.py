@@ -244,7 +244,10 @@ def run(call: Call, per_device: Callable, args: Sequence[Any], roles: Sequence[s
         announce()
         if not call.is_global:  # single mode under a trace: numpy inputs still need to become arrays
             xs = tuple(x if _compat.is_traced(x) else jax.numpy.asarray(x) for x in xs)
-        return whole(*xs)
+            return whole(*xs)
+        # a shard_map run eagerly under jax.jvp (an eager grad's, or forward mode's) hits jax's own errors (an
+        # unhashable key, for forward mode); under jit it is the traced program every other call makes
+        return jax.jit(whole)(*xs)
     xs = tuple(x if isinstance(x, jax.Array) else np.asarray(x) for x in xs)
 
     def make():
