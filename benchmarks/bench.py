@@ -245,7 +245,19 @@ def timed_other(library: str, causal: bool, inputs, flops: float, args, **option
                             min_sample_s=args.sample_ms / 1e3)
     except Exception as e:  # noqa: BLE001 - a library that refuses a shape is recorded, the rest go on
         return {"error": failure(e)}
-    return {"implementation": OTHER_IMPLEMENTATION[library], **timing}
+    return {"implementation": OTHER_IMPLEMENTATION[library], **timing, **library_version(library)}
+
+
+def library_version(library: str) -> dict:
+    """{"tokamax": its version} for tokamax's rows (jax's is in every row, and cuDNN comes with jax's GPU plugin)."""
+    if library != "tokamax":
+        return {}
+    from importlib import metadata
+
+    try:
+        return {"tokamax": metadata.version("tokamax")}
+    except metadata.PackageNotFoundError:  # imported from a source tree
+        return {"tokamax": "unknown"}
 
 
 # ----------------------------------------------------------------------------- suites

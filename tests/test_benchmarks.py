@@ -488,3 +488,12 @@ def test_timing_options_refuse_values_that_cannot_time(bench, capsys, flag, valu
     with pytest.raises(SystemExit):
         bench.parser().parse_args(["step", flag, value])
     assert flag in capsys.readouterr().err
+
+
+def test_tokamax_rows_carry_its_version(monkeypatch):
+    from importlib import metadata
+
+    bench = _script("bench")
+    assert bench.library_version("cudnn") == {}
+    monkeypatch.setattr(metadata, "version", lambda name: {"tokamax": "0.0.17"}[name])
+    assert bench.library_version("tokamax") == {"tokamax": "0.0.17"}
