@@ -161,12 +161,6 @@ def init_param(name: str, key, shape: tuple[int, ...], dtype) -> jax.Array:
 PROJECTIONS = ("q", "k", "v", "o")
 
 
-def floating_dtype(name: str, dtype, optional: bool = False):
-    """`dtype`, checked at construction: a layer's dtype is otherwise first used, and refused under q's name,
-    at its first call."""
-    return check_float_dtype(name, dtype, optional)
-
-
 def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict[str, jax.Array]:
     """Initial parameters by name: the q, k, v, o projections and, with use_sinks, sinks.
 
@@ -175,7 +169,7 @@ def init_params(cfg: AttentionLayerConfig, key, param_dtype=jnp.float32) -> dict
     """
     if not callable(key):
         check_key(key, "key")
-    floating_dtype("param_dtype", param_dtype)
+    check_float_dtype("param_dtype", param_dtype)
     keys = [key() for _ in PROJECTIONS] if callable(key) else jax.random.split(key, len(PROJECTIONS))
     shapes = cfg.param_shapes()
     params = {name: init_param(name, k, shapes[name], param_dtype) for name, k in zip(PROJECTIONS, keys)}

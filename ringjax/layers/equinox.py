@@ -14,6 +14,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ringjax.layers import core
 from ringjax.layers.core import AttentionLayerConfig
+from ringjax.options import check_float_dtype
 
 __all__ = ["AttentionLayerConfig", "MultiHeadAttention"]
 
@@ -40,7 +41,8 @@ class MultiHeadAttention(eqx.Module):
                  config: AttentionLayerConfig | None = None, dtype=None, param_dtype=jnp.float32, key: PRNGKeyArray,
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
-        self.dtype = core.floating_dtype("dtype", dtype, optional=True)
+        # checked now: a dtype is otherwise first used, and refused under q's name, at the first call
+        self.dtype = check_float_dtype("dtype", dtype, optional=True)
         params = core.init_params(self.config, key, param_dtype)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (params[n] for n in core.PROJECTIONS)
         self.sinks = params.get("sinks")

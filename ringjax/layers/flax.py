@@ -20,6 +20,7 @@ from flax import nnx
 
 from ringjax.layers import core
 from ringjax.layers.core import AttentionLayerConfig
+from ringjax.options import check_float_dtype
 
 __all__ = ["AttentionLayerConfig", "LinenMultiHeadAttention", "MultiHeadAttention"]
 
@@ -38,7 +39,8 @@ class MultiHeadAttention(nnx.Module):
                  config: AttentionLayerConfig | None = None, dtype=None, param_dtype=jnp.float32, rngs: nnx.Rngs,
                  **options):
         self.config = core.layer_config(config, in_features, num_heads, options)
-        self.dtype = core.floating_dtype("dtype", dtype, optional=True)
+        # checked now: a dtype is otherwise first used, and refused under q's name, at the first call
+        self.dtype = check_float_dtype("dtype", dtype, optional=True)
         params = core.init_params(self.config, rngs.params, param_dtype)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nnx.Param(params[n]) for n in core.PROJECTIONS)
         self.sinks = nnx.Param(params["sinks"]) if "sinks" in params else None
@@ -93,8 +95,8 @@ class LinenMultiHeadAttention(nn.Module):
         if not hasattr(x, "ndim") or x.ndim != 3:
             raise ValueError(f"x must have shape [batch, seq, features], got {getattr(x, 'shape', None)}")
         cfg = self.layer_config(x.shape[-1])
-        core.floating_dtype("dtype", self.dtype, optional=True)
-        core.floating_dtype("param_dtype", self.param_dtype)
+        check_float_dtype("dtype", self.dtype, optional=True)
+        check_float_dtype("param_dtype", self.param_dtype)
         params = {}
         for name, shape in cfg.param_shapes().items():
             init = functools.partial(core.init_param, name)
