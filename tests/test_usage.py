@@ -124,22 +124,26 @@ def test_mesh_arg_unlike_the_enclosing_shard_map_is_refused():
         jax.jit(fn)(q)
 
 
-@pytest.mark.parametrize("mode", ["global", "single"])
+@pytest.mark.parametrize("mode", ["Mesh", "make_mesh", "make_mesh+set_mesh", "single"])
 @pytest.mark.parametrize("jit", [False, True])
 def test_forward_mode_is_refused_with_jax_own_message(mode, jit):
     """ring_attention is reverse-mode only (a custom VJP). Eager jax.jvp of a global call used to raise jax's
     internal "unhashable type: 'Unhashable'" from the eager shard_map; every way now gives jax's own message."""
     need_devices(4)
-    mesh = _auto_mesh((4,), ("sp",))
     q = jnp.asarray(make_inputs(23, seq=32)["q"])
-    kw = dict(mesh=mesh) if mode == "global" else dict(axis_name=None)
+    mesh = _explicit_mesh((4,), ("sp",)) if mode.startswith("make_mesh") else _auto_mesh((4,), ("sp",))
+    kw = {"single": dict(axis_name=None), "make_mesh+set_mesh": {}}.get(mode, dict(mesh=mesh))
 
     def f(q):
         return ringjax.ring_attention(q, q, q, causal=True, **kw)
 
     jvp = (lambda q: jax.jvp(f, (q,), (q,))) if not jit else jax.jit(lambda q: jax.jvp(f, (q,), (q,)))
     with pytest.raises(TypeError, match="can't apply forward-mode autodiff"):
-        jvp(q)
+        if mode == "make_mesh+set_mesh":
+            with jax.set_mesh(mesh):
+                jvp(q)
+        else:
+            jvp(q)
 
 
 def test_global_call_on_auto_mesh_has_gradients():
